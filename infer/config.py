@@ -1,0 +1,158 @@
+"""Model configurations: frozen dataclasses and the named presets.
+
+Shapes of the presets come from the models' published `config.json` files. The Llama-3 presets
+use the Llama-3.1 release (same shapes as Llama-3, 128k context through RoPE scaling), since
+405B exists only there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    params_billions: float | None = None  # published size, for memory budgets of unloaded models
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"{self.name}: RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads served by one KV head (the GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the architecture, counting a tied embedding once."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_layers * per_layer + d + head
+
+    def replace(self, **changes: Any) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], name: str = "hf") -> "LlamaConfig":
+        """Builds a config from a HF `config.json` dictionary of a Llama-architecture model."""
+        scaling = hf.get("rope_scaling") or None
+        if scaling is None and isinstance(hf.get("rope_parameters"), Mapping):
+            params = hf["rope_parameters"]
+            scaling = params if params.get("rope_type", "default") != "default" else None
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None and isinstance(hf.get("rope_parameters"), Mapping):
+            rope_theta = hf["rope_parameters"].get("rope_theta")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3' is)")
+            scaling = RopeScaling(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            name=name,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike[str]) -> "LlamaConfig":
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), name=os.path.basename(os.path.dirname(path)))
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+
+PRESETS: dict[str, LlamaConfig] = {
+    c.name: c
+    for c in (
+        LlamaConfig(name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True, params_billions=0.135),
+        LlamaConfig(name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                    rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072, params_billions=8.03),
+        LlamaConfig(name="llama-3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                    num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                    rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072, params_billions=70.6),
+        LlamaConfig(name="llama-3-405b", vocab_size=128256, hidden_size=16384,
+                    intermediate_size=53248, num_layers=126, num_heads=128, num_kv_heads=8,
+                    head_dim=128, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                    max_position_embeddings=131072, params_billions=405.9),
+        # Mistral-7B v0.3: full attention (no sliding window), 32768-token vocabulary.
+        LlamaConfig(name="mistral-7b", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                    max_position_embeddings=32768, params_billions=7.25),
+        # Tiny configs for tests: fast to build, exercising GQA, tying and RoPE scaling.
+        LlamaConfig(name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    max_position_embeddings=256, tie_word_embeddings=True),
+        LlamaConfig(name="tiny-mha", vocab_size=512, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                    max_position_embeddings=256),
+        LlamaConfig(name="tiny-llama3", vocab_size=512, hidden_size=96, intermediate_size=192,
+                    num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, rope_theta=500000.0,
+                    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                             original_max_position_embeddings=64),
+                    max_position_embeddings=512),
+    )
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+    """Returns the preset called `name`; a `ValueError` lists the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None
