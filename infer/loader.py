@@ -1,0 +1,53 @@
+"""`load(name_or_path)`: a preset with bundled weights, a GGUF file or a HF directory."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from infer.checkpoint import read_checkpoint, smollm2_gguf_path
+from infer.config import PRESETS, LlamaConfig
+from infer.model import Llama
+from infer.tokenizer import Tokenizer
+from infer.weights import model_from_hf_tensors
+
+# Presets whose weights ship with an installed package; the rest are shapes only.
+BUNDLED = {"smollm2-135m": smollm2_gguf_path}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported weight dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def resolve_path(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(checkpoint path, model name) for a bundled preset or an existing path."""
+    name = os.fspath(name_or_path)
+    if name in BUNDLED:
+        return BUNDLED[name](), name
+    if os.path.exists(name):
+        return name, os.path.basename(os.path.normpath(name))
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} has no bundled weights (only {sorted(BUNDLED)} do); "
+                         "pass the path of a GGUF file or a HF directory holding its weights")
+    if os.sep in name or name.endswith((".gguf", ".safetensors")):
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    raise ValueError(f"unknown model {name!r}: neither a bundled preset {sorted(BUNDLED)} nor an "
+                     "existing GGUF file or HF directory")
+
+
+def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
+         ) -> tuple[LlamaConfig, Llama, Tokenizer]:
+    """Loads (config, model, tokenizer). The model is the Flax module holding the weights;
+    `nnx.split(model)` gives the (graphdef, params) pair the jitted steps take."""
+    path, name = resolve_path(name_or_path)
+    checkpoint = read_checkpoint(path)
+    config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
+    model = model_from_hf_tensors(config, checkpoint.tensors, resolve_dtype(dtype))
+    return config, model, Tokenizer.from_checkpoint(checkpoint)

@@ -1,0 +1,80 @@
+"""The simple generation loop over a contiguous KV cache: one batch, prefill once, then decode
+until the caller stops listening. The serving engine replaces it for anything with arrivals."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer.buckets import next_power_of_two
+from infer.kv_cache import AttentionMetadata, KVCache
+from infer.model import Llama
+from infer.sampling import SamplingArrays, SamplingParams
+from infer.steps import DecodeState, decode_step, prefill_step
+
+MIN_ATTEND = 128  # smallest attention window; each larger power of two is one more compile
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len: int,
+                     max_new_tokens: Sequence[int]) -> None:
+    """Raises ValueError naming the prompt and the problem: empty, out-of-vocabulary ids, or
+    prompt plus requested tokens longer than the context."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): "
+                             f"{bad[:5]}")
+        if len(prompt) + new > max_len:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_tokens={new} it needs "
+                             f"{len(prompt) + new} positions, more than the context of {max_len}")
+
+
+def decode_stream(model: Llama, prompts: Sequence[Sequence[int]],
+                  sampling: Sequence[SamplingParams], max_new_tokens: int,
+                  cache_dtype: jnp.dtype = jnp.float32) -> Iterator[np.ndarray]:
+    """Yields the next token of every prompt [B], first from the prefill, then one decode step at a
+    time, for at most `max_new_tokens` steps; the caller stops early by closing the generator.
+
+    The next decode step is dispatched before the previous tokens are read back, so the host's
+    bookkeeping overlaps the device's work instead of adding to it.
+    """
+    config = model.config
+    validate_prompts(prompts, config.vocab_size, config.max_position_embeddings,
+                     [max_new_tokens] * len(prompts))
+    batch = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    prompt_len = next_power_of_two(int(lengths.max()), 16)
+    max_len = min(next_power_of_two(int(lengths.max()) + max_new_tokens, MIN_ATTEND),
+                  max(config.max_position_embeddings, prompt_len))
+    tokens = np.zeros((batch, prompt_len), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+
+    graphdef, params = nnx.split(model)
+    cache = KVCache.create(config.num_layers, batch, max(max_len, prompt_len), config.num_kv_heads,
+                           config.head_dim, cache_dtype)
+    arrays = SamplingArrays.from_params(sampling)
+    steps = jnp.zeros(batch, jnp.int32)
+    meta = AttentionMetadata.for_prefill(lengths, prompt_len)
+    first, _, cache = prefill_step(graphdef, params, cache, jnp.asarray(tokens), meta, arrays, steps)
+    state = DecodeState(tokens=first, lengths=jnp.asarray(lengths), steps=steps + 1,
+                        sampling=arrays)
+    pending = first
+    longest = int(lengths.max())
+    for _ in range(max_new_tokens - 1):
+        longest += 1
+        attend = min(next_power_of_two(longest, MIN_ATTEND), cache.max_len)
+        if attend != cache.attend_len:
+            cache = cache.with_attend_len(attend)
+        state, _, cache = decode_step(graphdef, params, cache, state)
+        yield np.asarray(pending)
+        pending = state.tokens
+    yield np.asarray(pending)

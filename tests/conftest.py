@@ -1,0 +1,32 @@
+"""Session-wide fixtures: the real model is loaded once, by infer and by HF transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from infer.checkpoint import smollm2_gguf_path
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(config, model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded by infer."""
+    from infer.loader import load
+    return load("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: str):
+    """HF transformers' LlamaForCausalLM from the same GGUF, float32, eval mode."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+        dtype=torch.float32)
+    return model.eval()
