@@ -37,20 +37,32 @@ def visibility_mask(meta: "AttentionMetadata", num_slots: int) -> jax.Array:
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                      scale: float | None = None) -> jax.Array:
-    """q [B, T, H, D] over k, v [B, S, K, D] where mask [B, T, S] is true; returns [B, T, H, D].
+    """q [B, T, H, D] over head-major k, v [B, K, S, D] where mask [B, T, S] is true.
+    Returns [B, T, H, D]; query head h reads KV head h // (H // K).
 
-    Query head h reads KV head h // (H // K). Masked values are zeroed as well as their scores:
-    unused slots may hold anything, NaN included, and 0 * NaN would leak into the sum.
+    Head-major keys and values make both products plain batched matmuls over (B, K); with
+    [B, S, K, D] XLA:CPU transposed a copy of them first, which cost more than the products.
+    Masked values are zeroed as well as their scores: unused slots may hold anything, NaN
+    included, and 0 * NaN would leak into the sum.
     """
     b, t, h, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
+    group = h // kv_heads
     scale = d ** -0.5 if scale is None else scale
-    qg = q.reshape(b, t, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32) * scale
-    visible = mask[:, None, None, :, :]
-    scores = jnp.where(visible, scores, -jnp.inf)
+    # Queries of one KV head as rows of one matrix [B, K, r*T, D]: both products become
+    # [rows, D] x [D, S] and [rows, S] x [S, D] per (b, k), the layouts XLA:CPU multiplies
+    # without transposing anything. (Left to pick from a 5-d einsum, it computed K q^T instead.)
+    qg = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
+    if t == 1:
+        scores = jnp.sum(qg[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
+    else:
+        scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    visible = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, mask.shape[-1]))
+    scores = jnp.where(visible.reshape(b, 1, group * t, -1), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("bkrts,bskd->btkrd", probs.astype(v.dtype), v,
+    v = jnp.where(mask.any(axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
+    out = out.reshape(b, kv_heads, group, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -62,25 +62,26 @@ class AttentionMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Contiguous cache: every sequence owns `max_len` slots, `[L, B, S, K, D]`.
+    """Contiguous cache: every sequence owns `max_len` slots, head-major `[L, B, K, S, D]`
+    (see `attention.masked_attention` for why head-major).
 
     `attend_len` (static) bounds the slots attention reads: with most sequences far shorter than
     `max_len`, reading all S slots every decode step would dominate its memory traffic.
     """
 
-    k: jax.Array  # [L, B, S, K, D]
-    v: jax.Array  # [L, B, S, K, D]
+    k: jax.Array  # [L, B, K, S, D]
+    v: jax.Array  # [L, B, K, S, D]
     attend_len: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @staticmethod
     def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype: jnp.dtype = jnp.float32) -> "KVCache":
-        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), attend_len=max_len)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def with_attend_len(self, attend_len: int) -> "KVCache":
         if not 0 < attend_len <= self.max_len:
@@ -91,11 +92,12 @@ class KVCache:
         slots, valid = meta.new_token_slots()
         slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
         rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)
-        new_k = self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop")
-        new_v = self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop")
+        # Advanced indices split by a slice: the scattered dims come first, [B, T, K, D].
+        new_k = self.k.at[layer, rows, :, slots].set(k.astype(self.k.dtype), mode="drop")
+        new_v = self.v.at[layer, rows, :, slots].set(v.astype(self.v.dtype), mode="drop")
         return dataclasses.replace(self, k=new_k, v=new_v)
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
         n = self.attend_len or self.max_len
-        return attention.masked_attention(q, self.k[layer, :, :n], self.v[layer, :, :n],
+        return attention.masked_attention(q, self.k[layer, :, :, :n], self.v[layer, :, :, :n],
                                           attention.visibility_mask(meta, n))

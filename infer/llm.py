@@ -8,6 +8,7 @@ import numpy as np
 
 from infer.loader import load
 from infer.loop import decode_stream, validate_prompts
+from infer.steps import Steps
 from infer.request import Request, RequestOutput
 from infer.sampling import SamplingParams
 
@@ -18,6 +19,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32",
                  max_num_seqs: int = 32) -> None:
         self.config, self.model, self.tokenizer = load(model, dtype)
+        self.steps = Steps(self.model)
         self.max_num_seqs = max_num_seqs
         self._next_id = 0
 
@@ -69,7 +71,7 @@ class LLM:
 
     def _run_batch(self, batch: list[Request]) -> None:
         steps = max(r.params.max_tokens for r in batch)
-        stream = decode_stream(self.model, [r.prompt_token_ids for r in batch],
+        stream = decode_stream(self.steps, [r.prompt_token_ids for r in batch],
                                [r.params for r in batch], steps)
         for tokens in stream:
             for request, token in zip(batch, np.asarray(tokens)):

@@ -8,13 +8,12 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from infer.buckets import next_power_of_two
 from infer.kv_cache import AttentionMetadata, KVCache
 from infer.model import Llama
 from infer.sampling import SamplingArrays, SamplingParams
-from infer.steps import DecodeState, decode_step, prefill_step
+from infer.steps import DecodeState, Steps
 
 MIN_ATTEND = 128  # smallest attention window; each larger power of two is one more compile
 
@@ -37,7 +36,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len:
                              f"{len(prompt) + new} positions, more than the context of {max_len}")
 
 
-def decode_stream(model: Llama, prompts: Sequence[Sequence[int]],
+def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
                   sampling: Sequence[SamplingParams], max_new_tokens: int,
                   cache_dtype: jnp.dtype = jnp.float32) -> Iterator[np.ndarray]:
     """Yields the next token of every prompt [B], first from the prefill, then one decode step at a
@@ -46,7 +45,8 @@ def decode_stream(model: Llama, prompts: Sequence[Sequence[int]],
     The next decode step is dispatched before the previous tokens are read back, so the host's
     bookkeeping overlaps the device's work instead of adding to it.
     """
-    config = model.config
+    steps_fn = model if isinstance(model, Steps) else Steps(model)
+    config = steps_fn.config
     validate_prompts(prompts, config.vocab_size, config.max_position_embeddings,
                      [max_new_tokens] * len(prompts))
     batch = len(prompts)
@@ -58,13 +58,12 @@ def decode_stream(model: Llama, prompts: Sequence[Sequence[int]],
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
 
-    graphdef, params = nnx.split(model)
     cache = KVCache.create(config.num_layers, batch, max(max_len, prompt_len), config.num_kv_heads,
                            config.head_dim, cache_dtype)
     arrays = SamplingArrays.from_params(sampling)
     steps = jnp.zeros(batch, jnp.int32)
     meta = AttentionMetadata.for_prefill(lengths, prompt_len)
-    first, _, cache = prefill_step(graphdef, params, cache, jnp.asarray(tokens), meta, arrays, steps)
+    first, _, cache = steps_fn.prefill_step(cache, jnp.asarray(tokens), meta, arrays, steps)
     state = DecodeState(tokens=first, lengths=jnp.asarray(lengths), steps=steps + 1,
                         sampling=arrays)
     pending = first
@@ -74,7 +73,7 @@ def decode_stream(model: Llama, prompts: Sequence[Sequence[int]],
         attend = min(next_power_of_two(longest, MIN_ATTEND), cache.max_len)
         if attend != cache.attend_len:
             cache = cache.with_attend_len(attend)
-        state, _, cache = decode_step(graphdef, params, cache, state)
+        state, _, cache = steps_fn.decode_step(cache, state)
         yield np.asarray(pending)
         pending = state.tokens
     yield np.asarray(pending)

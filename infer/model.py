@@ -96,22 +96,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 class Attention(nnx.Module):
+    """Projections are stored 2D ([E, H*D], [H*D, E]): with a separate head axis XLA:CPU chose to
+    transpose and copy the output projection's weight every step rather than the activation."""
+
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         e, h, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = _param((e, h, d), (EMBED, HEADS, HEAD_DIM), dtype, rngs, e)
-        self.k_proj = _param((e, k, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, rngs, e)
-        self.v_proj = _param((e, k, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, rngs, e)
-        self.o_proj = _param((h, d, e), (HEADS, HEAD_DIM, EMBED), dtype, rngs, h * d)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, d
+        self.q_proj = _param((e, h * d), (EMBED, HEADS), dtype, rngs, e)
+        self.k_proj = _param((e, k * d), (EMBED, KV_HEADS), dtype, rngs, e)
+        self.v_proj = _param((e, k * d), (EMBED, KV_HEADS), dtype, rngs, e)
+        self.o_proj = _param((h * d, e), (HEADS, EMBED), dtype, rngs, h * d)
 
     def __call__(self, x: jax.Array, layer: int, cache: CacheT, meta: AttentionMetadata,
                  inv_freq: jax.Array) -> tuple[jax.Array, CacheT]:
-        q = apply_rope(dense(x, self.q_proj[...], "bte,ehd->bthd"), meta.positions, inv_freq)
-        k = apply_rope(dense(x, self.k_proj[...], "bte,ekd->btkd"), meta.positions, inv_freq)
-        v = dense(x, self.v_proj[...], "bte,ekd->btkd")
-        q = shard(q, (BATCH, SEQ, HEADS, HEAD_DIM))
+        b, t, _ = x.shape
+        heads = lambda y, n: y.reshape(b, t, n, self.head_dim)
+        q = heads(dense(x, self.q_proj[...], "bte,ef->btf"), self.num_heads)
+        k = heads(dense(x, self.k_proj[...], "bte,ef->btf"), self.num_kv_heads)
+        v = heads(dense(x, self.v_proj[...], "bte,ef->btf"), self.num_kv_heads)
+        q = shard(apply_rope(q, meta.positions, inv_freq), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = apply_rope(k, meta.positions, inv_freq)
         cache = cache.write(layer, k, v, meta)
-        out = cache.attend(layer, q, meta)
-        return dense(out, self.o_proj[...], "bthd,hde->bte"), cache
+        out = cache.attend(layer, q, meta).reshape(b, t, self.num_heads * self.head_dim)
+        return dense(out, self.o_proj[...], "btf,fe->bte"), cache
 
 
 class MLP(nnx.Module):
