@@ -42,8 +42,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
     Head-major keys and values make both products plain batched matmuls over (B, K); with
     [B, S, K, D] XLA:CPU transposed a copy of them first, which cost more than the products.
-    Masked values are zeroed as well as their scores: unused slots may hold anything, NaN
-    included, and 0 * NaN would leak into the sum.
+    Masked scores get probability exactly 0, so masked slots must hold finite values (0 * NaN
+    is NaN): the caches guarantee it by starting zeroed and storing only real keys and values.
     """
     b, t, h, d = q.shape
     kv_heads = k.shape[1]
@@ -53,15 +53,11 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     # [rows, D] x [D, S] and [rows, S] x [S, D] per (b, k), the layouts XLA:CPU multiplies
     # without transposing anything. (Left to pick from a 5-d einsum, it computed K q^T instead.)
     qg = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
-    if t == 1:
-        scores = jnp.sum(qg[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
-    else:
-        scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * scale
     visible = jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, mask.shape[-1]))
     scores = jnp.where(visible.reshape(b, 1, group * t, -1), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    v = jnp.where(mask.any(axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     out = out.reshape(b, kv_heads, group, t, d).transpose(0, 3, 1, 2, 4)

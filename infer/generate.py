@@ -24,6 +24,8 @@ flags.DEFINE_bool("ignore_eos", False, "keep generating past the end-of-sequence
 
 def main(argv: list[str]) -> None:
     del argv
+    from infer.platform import configure_xla_cpu
+    configure_xla_cpu()
     from infer import LLM, SamplingParams
 
     f = flags.FLAGS

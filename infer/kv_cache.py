@@ -12,6 +12,7 @@ siblings sit in consecutive slots but share a position.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,42 +63,51 @@ class AttentionMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Contiguous cache: every sequence owns `max_len` slots, head-major `[L, B, K, S, D]`
-    (see `attention.masked_attention` for why head-major).
+    """Contiguous cache: every sequence owns `max_len` slots; one head-major `[B, K, S, D]` array
+    per layer for keys and one for values (logically `[L, B, K, S, D]`).
 
-    `attend_len` (static) bounds the slots attention reads: with most sequences far shorter than
-    `max_len`, reading all S slots every decode step would dominate its memory traffic.
+    Separate per-layer arrays, sized to what the batch needs now and grown by `resized` as it
+    lengthens, let attention read a layer's keys in place: any slice of a larger array (a layer
+    of a stacked cache, the used prefix of a max-length one) was copied by XLA:CPU before each
+    product. Head-major: see `attention.masked_attention`.
     """
 
-    k: jax.Array  # [L, B, K, S, D]
-    v: jax.Array  # [L, B, K, S, D]
-    attend_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+    v: tuple[jax.Array, ...]
 
     @staticmethod
     def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype: jnp.dtype = jnp.float32) -> "KVCache":
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), attend_len=max_len)
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return KVCache(k=zeros(), v=zeros())
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
-    def with_attend_len(self, attend_len: int) -> "KVCache":
-        if not 0 < attend_len <= self.max_len:
-            raise ValueError(f"attend_len {attend_len} outside (0, max_len={self.max_len}]")
-        return dataclasses.replace(self, attend_len=attend_len)
+    def resized(self, max_len: int) -> "KVCache":
+        """The same cache with room for `max_len` slots (existing slots kept, new ones zero)."""
+        if max_len < self.max_len:
+            raise ValueError(f"cannot shrink the cache from {self.max_len} to {max_len} slots")
+        return _grow(self, max_len)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata) -> "KVCache":
         slots, valid = meta.new_token_slots()
         slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
         rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)
         # Advanced indices split by a slice: the scattered dims come first, [B, T, K, D].
-        new_k = self.k.at[layer, rows, :, slots].set(k.astype(self.k.dtype), mode="drop")
-        new_v = self.v.at[layer, rows, :, slots].set(v.astype(self.v.dtype), mode="drop")
-        return dataclasses.replace(self, k=new_k, v=new_v)
+        put = lambda cache, new: cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+        new_k = self.k[:layer] + (put(self.k[layer], k),) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (put(self.v[layer], v),) + self.v[layer + 1:]
+        return KVCache(k=new_k, v=new_v)
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        n = self.attend_len or self.max_len
-        return attention.masked_attention(q, self.k[layer, :, :, :n], self.v[layer, :, :, :n],
-                                          attention.visibility_mask(meta, n))
+        return attention.masked_attention(q, self.k[layer], self.v[layer],
+                                          attention.visibility_mask(meta, self.max_len))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # no donation: the output is larger
+def _grow(cache: KVCache, max_len: int) -> KVCache:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)))
+    return KVCache(k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)))

@@ -58,7 +58,7 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
 
-    cache = KVCache.create(config.num_layers, batch, max(max_len, prompt_len), config.num_kv_heads,
+    cache = KVCache.create(config.num_layers, batch, prompt_len, config.num_kv_heads,
                            config.head_dim, cache_dtype)
     arrays = SamplingArrays.from_params(sampling)
     steps = jnp.zeros(batch, jnp.int32)
@@ -70,9 +70,8 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     longest = int(lengths.max())
     for _ in range(max_new_tokens - 1):
         longest += 1
-        attend = min(next_power_of_two(longest, MIN_ATTEND), cache.max_len)
-        if attend != cache.attend_len:
-            cache = cache.with_attend_len(attend)
+        if longest > cache.max_len:  # grow by powers of two: each size is one more compile
+            cache = cache.resized(min(next_power_of_two(longest, MIN_ATTEND), max_len))
         state, _, cache = steps_fn.decode_step(cache, state)
         yield np.asarray(pending)
         pending = state.tokens

@@ -1,0 +1,124 @@
+"""Prefill and decode tokens/s per batch size: infer against HF transformers on the same weights,
+with this machine's copy bandwidth and matmul FLOP/s measured in the same run.
+
+  python -m experiments.decode_speed --batch_sizes=1,8,32 --dtype=float32 --tokens=32
+
+Decode time per step is measured the way a user sees it, end to end through each library's own
+generation loop: (time to generate N+1 tokens - time to generate 1) / N. The bandwidth floor of a
+step is the bytes it must move (weights + the KV it reads) over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype (both libraries)")
+flags.DEFINE_integer("tokens", 32, "decode steps timed per measurement")
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row")
+flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)")
+flags.DEFINE_list("peers", ["hf"], "peers measured in the same run: hf, or none")
+flags.DEFINE_string("out", "results/decode_speed.jsonl", "JSONL output")
+FLAGS = flags.FLAGS
+
+
+def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, repeats: int,
+        peers: list[str], out: str) -> list[dict]:
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from experiments.common import JsonlWriter, markdown_table, measure_ceilings, real_text
+    from infer.memory import kv_bytes_per_token
+    from infer.loader import load
+    from infer.loop import decode_stream
+    from infer.sampling import SamplingParams
+    from infer.steps import Steps
+
+    config, model, tokenizer = load("smollm2-135m", dtype)
+    steps = Steps(model)
+    ids = tokenizer.encode(real_text(200_000))
+    prompts = lambda b: [ids[i * prompt_len:(i + 1) * prompt_len] for i in range(b)]
+    params = SamplingParams(ignore_eos=True)
+
+    def infer_generate(b: int, n: int):
+        for tok in decode_stream(steps, prompts(b), [params] * b, n):
+            pass
+        return tok
+
+    hf = _load_hf(dtype) if "hf" in peers else None
+
+    def hf_generate(b: int, n: int):
+        import torch
+        x = torch.tensor(prompts(b))
+        with torch.no_grad():
+            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    ceilings = measure_ceilings()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
+    writer = JsonlWriter(out)
+    rows = []
+    impls = [("infer", infer_generate)] + ([("hf", hf_generate)] if hf is not None else [])
+    for b in tqdm(batch_sizes, desc="batch sizes"):
+        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, "float32")
+        floor_s = (weight_bytes + kv_read) / ceilings["copy_bandwidth_Bps"]
+        flops = 2 * config.num_params * b
+        for name, generate in impls:
+            generate(b, tokens + 1)  # compile / warm up every shape this point uses
+            first, full = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter(); generate(b, 1); first.append(time.perf_counter() - t0)
+                t0 = time.perf_counter(); generate(b, tokens + 1); full.append(time.perf_counter() - t0)
+            t_first, t_full = float(np.median(first)), float(np.median(full))
+            step_s = (t_full - t_first) / tokens
+            row = {
+                "experiment": "decode_speed", "impl": name, "model": config.name, "dtype": dtype,
+                "batch": b, "prompt_len": prompt_len, "tokens": tokens,
+                "prefill_tok_s": b * prompt_len / t_first, "decode_step_ms": step_s * 1e3,
+                "decode_tok_s": b / step_s, "bandwidth_floor_step_ms": floor_s * 1e3,
+                "fraction_of_floor": floor_s / step_s,
+                "achieved_flops": flops / step_s, "weight_bytes": weight_bytes, **ceilings,
+            }
+            writer.write(row)
+            rows.append(row)
+    for row in rows:
+        peer = next((r for r in rows if r["impl"] == "hf" and r["batch"] == row["batch"]), None)
+        row["vs_hf"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+    print(f"\ncopy bandwidth {ceilings['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, matmul "
+          f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s ({ceilings['matmul_dtype']}), "
+          f"weights {weight_bytes / 1e6:.0f} MB")
+    print(markdown_table(rows, [("impl", "impl"), ("batch", "batch"),
+                                ("prefill_tok_s", "prefill tok/s"),
+                                ("decode_tok_s", "decode tok/s"), ("decode_step_ms", "step ms"),
+                                ("bandwidth_floor_step_ms", "floor ms"),
+                                ("fraction_of_floor", "of floor"), ("vs_hf", "× HF")]))
+    return rows
+
+
+def _load_hf(dtype: str):
+    import torch
+    import transformers
+
+    from infer.checkpoint import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path),
+        dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
+    return model.eval()
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu
+    configure_xla_cpu()
+    run(batch_sizes=[int(b) for b in FLAGS.batch_sizes], dtype=FLAGS.dtype, tokens=FLAGS.tokens,
+        prompt_len=FLAGS.prompt_len, repeats=FLAGS.repeats,
+        peers=[p for p in FLAGS.peers if p != "none"], out=FLAGS.out)
+
+
+if __name__ == "__main__":
+    app.run(main)

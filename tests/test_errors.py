@@ -1,0 +1,98 @@
+"""Bad input gets a clear exception that names the problem."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from infer.config import get_config
+from infer.loader import load, resolve_path
+from infer.loop import validate_prompts
+from infer.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    from infer.llm import LLM
+    instance = LLM.__new__(LLM)  # reuse the session's loaded model instead of loading again
+    from infer.steps import Steps
+    instance.config, instance.model, instance.tokenizer = smollm2
+    instance.steps = Steps(instance.model)
+    instance.max_num_seqs = 4
+    instance._next_id = 0
+    return instance
+
+
+def test_empty_prompt(llm) -> None:
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        llm.generate(prompt_token_ids=[[]])
+
+
+def test_prompt_longer_than_context(llm) -> None:
+    too_long = [[1] * (llm.config.max_position_embeddings - 3)]
+    with pytest.raises(ValueError, match=r"more than the context of 8192"):
+        llm.generate(prompt_token_ids=too_long, sampling_params=SamplingParams(max_tokens=10))
+
+
+def test_token_outside_vocabulary(llm) -> None:
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 49152\): \[49152\]"):
+        llm.generate(prompt_token_ids=[[1, 2, 49152]])
+    with pytest.raises(ValueError, match=r"outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[-1]])
+
+
+def test_validate_prompts_names_the_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        validate_prompts([[1], []], 10, 100, [1, 1])
+    with pytest.raises(ValueError, match="no prompts"):
+        validate_prompts([], 10, 100, [])
+
+
+def test_missing_model_file(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(str(tmp_path / "nope.gguf"))
+
+
+def test_corrupt_model_file(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    with pytest.raises(ValueError, match="bad.gguf"):
+        load(str(bad))
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match="unknown model preset 'llama-9'"):
+        get_config("llama-9")
+    with pytest.raises(ValueError, match="unknown model 'smollm3'"):
+        resolve_path("smollm3")
+    with pytest.raises(ValueError, match="no bundled weights"):
+        resolve_path("llama-3-8b")
+
+
+def test_bad_weight_dtype() -> None:
+    with pytest.raises(ValueError, match="unsupported weight dtype 'int3'"):
+        load("smollm2-135m", "int3")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_k=-2), "top_k must be"),
+    (dict(top_k=2.5), "top_k must be"),
+    (dict(max_tokens=0), "max_tokens must be"),
+    (dict(seed=-1), "seed must be"),
+    (dict(stop=[""]), "stop must be non-empty"),
+])
+def test_invalid_sampling_params(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_count_must_match(llm) -> None:
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["hi"], [SamplingParams(), SamplingParams()])

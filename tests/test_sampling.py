@@ -1,0 +1,111 @@
+"""The sampler: greedy, temperature, top-k, top-p, per-row seeds, and no recompiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infer.sampling import SamplingArrays, SamplingParams, sample, warp_logits
+
+V = 12
+LOGITS = np.log(np.array([30, 20, 12, 9, 8, 6, 5, 4, 3, 1.5, 1, 0.5], np.float32))
+sample_jit = jax.jit(sample)
+
+
+def _draws(params: SamplingParams, n: int = 4000, logits: np.ndarray = LOGITS) -> np.ndarray:
+    """n draws for one request: the same row at steps 0..n-1."""
+    arrays = SamplingArrays.from_params([params] * n)
+    arrays = SamplingArrays(arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds)
+    return np.asarray(sample_jit(jnp.tile(jnp.asarray(logits), (n, 1)), arrays,
+                                 jnp.arange(n, dtype=jnp.int32)))
+
+
+def _chi2_ok(draws: np.ndarray, probs: np.ndarray) -> bool:
+    """Pearson chi-square against expected counts, at a 1e-3 false-alarm rate."""
+    from scipy.stats import chi2
+    support = probs > 0
+    counts = np.bincount(draws, minlength=len(probs))
+    assert counts[~support].sum() == 0, f"drew tokens outside the support: {counts}"
+    expected = probs[support] * len(draws)
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    return stat < chi2.ppf(1 - 1e-3, df=support.sum() - 1)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_greedy_is_argmax_whatever_the_seed() -> None:
+    draws = _draws(SamplingParams(temperature=0.0, seed=3), n=50)
+    assert (draws == 0).all()
+
+
+def test_temperature_samples_softmax() -> None:
+    for t in (0.7, 1.0, 1.8):
+        assert _chi2_ok(_draws(SamplingParams(temperature=t, seed=1)), _softmax(LOGITS / t))
+
+
+def test_top_k_renormalizes_over_the_k_best() -> None:
+    probs = _softmax(LOGITS)
+    probs[4:] = 0
+    assert _chi2_ok(_draws(SamplingParams(temperature=1.0, top_k=4, seed=2)), probs / probs.sum())
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    probs = _softmax(LOGITS)
+    # probabilities .30, .20, .12, .09, ...: mass before each 0, .30, .50, .62 -> top_p .55 keeps 3
+    keep = (np.cumsum(probs) - probs) < 0.55
+    assert keep.sum() == 3
+    expected = np.where(keep, probs, 0)
+    assert _chi2_ok(_draws(SamplingParams(temperature=1.0, top_p=0.55, seed=4)),
+                    expected / expected.sum())
+
+
+def test_wrong_distribution_is_detected() -> None:
+    """The chi-square check is sharp enough to reject a slightly wrong temperature."""
+    assert not _chi2_ok(_draws(SamplingParams(temperature=1.0, seed=5)), _softmax(LOGITS / 1.15))
+
+
+def test_top_k_and_top_p_compose() -> None:
+    warped = warp_logits(jnp.asarray(LOGITS)[None],
+                         SamplingArrays.from_params([SamplingParams(temperature=1.0, top_k=6,
+                                                                    top_p=0.5)]))
+    # top-k 6 first (mass .85), renormalized .353, .235, .141, ...: mass before the third is
+    # .588 > .5, so the nucleus holds two tokens (without top-k it would hold three)
+    kept = np.isfinite(np.asarray(warped[0]))
+    assert kept.tolist() == [True] * 2 + [False] * 10
+
+
+def test_row_tokens_do_not_depend_on_the_batch() -> None:
+    """A request's draws depend on its seed and step only: alone or beside others, the same."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((5, 300)), jnp.float32)
+    params = [SamplingParams(temperature=0.9, seed=s, top_p=0.9 if s % 2 else 1.0) for s in range(5)]
+    steps = jnp.asarray([7, 0, 3, 3, 100], jnp.int32)
+    together = np.asarray(sample_jit(logits, SamplingArrays.from_params(params), steps))
+    for row in range(5):
+        alone = sample_jit(logits[row:row + 1], SamplingArrays.from_params([params[row]]),
+                           steps[row:row + 1])
+        assert int(alone[0]) == together[row]
+
+
+def test_different_seeds_differ_and_same_seed_repeats() -> None:
+    a = _draws(SamplingParams(temperature=1.0, seed=10), n=64)
+    b = _draws(SamplingParams(temperature=1.0, seed=10), n=64)
+    c = _draws(SamplingParams(temperature=1.0, seed=11), n=64)
+    assert (a == b).all() and (a != c).any()
+
+
+def test_changing_values_does_not_recompile() -> None:
+    fn = jax.jit(lambda *args: sample(*args))  # a cache of its own
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 50)), jnp.float32)
+    steps = jnp.zeros(4, jnp.int32)
+    for params in ([SamplingParams()] * 4,
+                   [SamplingParams(temperature=0.5, top_k=3, seed=9)] * 4,
+                   [SamplingParams(temperature=1.2, top_p=0.3), SamplingParams(),
+                    SamplingParams(top_k=2, temperature=1.0), SamplingParams(seed=4)]):
+        fn(logits, SamplingArrays.from_params(params), steps).block_until_ready()
+    assert fn._cache_size() == 1
