@@ -29,9 +29,8 @@ def ckpt(gguf_path: str):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32)
+def hf_model(hf_smollm2):
+    return hf_smollm2  # loaded once per session (conftest.py)
 
 
 @pytest.fixture(scope="module")
