@@ -3,6 +3,7 @@ until the caller stops listening. The serving engine replaces it for anything wi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Sequence
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 from infer.buckets import next_power_of_two
 from infer.kv_cache import AttentionMetadata, KVCache
 from infer.model import Llama
+from infer.paged_cache import PagedKVCache
 from infer.sampling import SamplingArrays, SamplingParams
 from infer.steps import DecodeState, Steps
 
@@ -36,14 +38,27 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len:
                              f"{len(prompt) + new} positions, more than the context of {max_len}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """Run the loop over a paged cache instead of the contiguous one. Pages are handed out in a
+    shuffled order, as a long-running pool would, so page tables really are indirections."""
+
+    page_size: int = 16
+    kv_format: str = "float32"
+    backend: str = "reference"
+    seed: int = 0
+
+
 def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
                   sampling: Sequence[SamplingParams], max_new_tokens: int,
-                  cache_dtype: jnp.dtype = jnp.float32) -> Iterator[np.ndarray]:
+                  cache_dtype: jnp.dtype = jnp.float32,
+                  paged: PagedLayout | None = None) -> Iterator[np.ndarray]:
     """Yields the next token of every prompt [B], first from the prefill, then one decode step at a
     time, for at most `max_new_tokens` steps; the caller stops early by closing the generator.
 
-    The next decode step is dispatched before the previous tokens are read back, so the host's
-    bookkeeping overlaps the device's work instead of adding to it.
+    The cache (and, when paged, the page-table width) covers a power-of-two window of the longest
+    row and grows with it: attention reads only that window. The next decode step is dispatched
+    before the previous tokens are read back, so the host's bookkeeping overlaps the device work.
     """
     steps_fn = model if isinstance(model, Steps) else Steps(model)
     config = steps_fn.config
@@ -52,26 +67,44 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     prompt_len = next_power_of_two(int(lengths.max()), 16)
-    max_len = min(next_power_of_two(int(lengths.max()) + max_new_tokens, MIN_ATTEND),
-                  max(config.max_position_embeddings, prompt_len))
+    max_len = max(min(next_power_of_two(int(lengths.max()) + max_new_tokens, MIN_ATTEND),
+                      config.max_position_embeddings), prompt_len)
     tokens = np.zeros((batch, prompt_len), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
 
-    cache = KVCache.create(config.num_layers, batch, prompt_len, config.num_kv_heads,
-                           config.head_dim, cache_dtype)
+    if paged is None:
+        cache = KVCache.create(config.num_layers, batch, prompt_len, config.num_kv_heads,
+                               config.head_dim, cache_dtype)
+        all_tables = None
+    else:
+        g = paged.page_size
+        per_row = -(-max_len // g)
+        order = np.random.default_rng(paged.seed).permutation(batch * per_row)
+        all_tables = order.reshape(batch, per_row).astype(np.int32)
+        cache = PagedKVCache.create(config.num_layers, batch * per_row, g, config.num_kv_heads,
+                                    config.head_dim, paged.kv_format, paged.backend)
+
+    def tables_for(window: int) -> jax.Array | None:
+        return None if all_tables is None else jnp.asarray(
+            all_tables[:, :-(-window // paged.page_size)])
+
     arrays = SamplingArrays.from_params(sampling)
     steps = jnp.zeros(batch, jnp.int32)
-    meta = AttentionMetadata.for_prefill(lengths, prompt_len)
+    meta = AttentionMetadata.for_prefill(lengths, prompt_len, page_tables=tables_for(prompt_len))
     first, _, cache = steps_fn.prefill_step(cache, jnp.asarray(tokens), meta, arrays, steps)
     state = DecodeState(tokens=first, lengths=jnp.asarray(lengths), steps=steps + 1,
-                        sampling=arrays)
+                        sampling=arrays, page_tables=meta.page_tables)
+    window, longest = prompt_len, int(lengths.max())
     pending = first
-    longest = int(lengths.max())
     for _ in range(max_new_tokens - 1):
         longest += 1
-        if longest > cache.max_len:  # grow by powers of two: each size is one more compile
-            cache = cache.resized(min(next_power_of_two(longest, MIN_ATTEND), max_len))
+        if longest > window:  # grow by powers of two: each size is one more compile
+            window = min(next_power_of_two(longest, MIN_ATTEND), max_len)
+            if paged is None:
+                cache = cache.resized(window)
+            else:
+                state = dataclasses.replace(state, page_tables=tables_for(window))
         state, _, cache = steps_fn.decode_step(cache, state)
         yield np.asarray(pending)
         pending = state.tokens

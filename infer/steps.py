@@ -61,8 +61,18 @@ class Steps:
                                         steps=state.steps + 1)
             return state, logits, cache
 
+        def forward(params, cache, tokens, meta):
+            return bind(params)(tokens, cache, meta)
+
+        self._forward = jax.jit(forward, donate_argnums=1)
         self._prefill = jax.jit(prefill, donate_argnums=1)
         self._decode = jax.jit(decode, donate_argnums=1)
+
+    def forward_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata
+                     ) -> tuple[jax.Array, jax.Array, CacheT]:
+        """Logits [B, T, V] and hidden states [B, T, E] at every new position, and the cache:
+        for scoring text (perplexity, KL) and for verifying speculated tokens."""
+        return self._forward(self.params, cache, tokens, meta)
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      sampling: SamplingArrays, steps: jax.Array

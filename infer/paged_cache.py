@@ -1,0 +1,153 @@
+"""The paged KV cache: a pool of fixed-size pages per layer, read through per-sequence page tables.
+
+Layout per layer: `[P, G, K, Ds]` pages (P pages of G tokens, K kv heads, Ds stored head dim:
+D, or D/2 for int4), plus `[P, G, K, groups]` float32 scales for the quantized formats. Which
+pages a sequence owns is the host's business (`infer.page_allocator`); on device a sequence is a
+row of `meta.page_tables`, and new tokens are written through the slot mapping
+`page * G + offset` that the metadata implies.
+
+Attention backends:
+  reference  gather the row's pages into head-major `[B, K, n*G, D]`, dequantize, and run the same
+             masked attention as the contiguous cache (plain XLA; the fast path on CPU)
+  pallas     the Pallas kernels of `kernels_pallas` (compiled on GPU/TPU, interpreted on CPU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from infer import attention
+from infer.kv_cache import AttentionMetadata
+from kernels_pallas import kv_quant
+from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.paged_prefill_attention import paged_prefill_attention
+
+ATTENTION_BACKENDS = ("reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k: tuple[jax.Array, ...]  # L x [P, G, K, Ds]
+    v: tuple[jax.Array, ...]
+    k_scales: tuple[jax.Array, ...] | None  # L x [P, G, K, groups] for scaled formats
+    v_scales: tuple[jax.Array, ...] | None
+    kv_format: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+
+    @staticmethod
+    def create(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+               head_dim: int, kv_format: str = "float32",
+               backend: str = "reference") -> "PagedKVCache":
+        """A zeroed pool. Zero pages matter: attention gives masked slots probability 0, and
+        0 * garbage must stay 0, so unused slots must never hold NaN or inf."""
+        kv_quant.check_kv_format(kv_format)
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need at least one page of at least one token, got num_pages="
+                             f"{num_pages}, page_size={page_size}")
+        shape = (num_pages, page_size, num_kv_heads, kv_quant.stored_head_dim(head_dim, kv_format))
+        dtype = kv_quant.storage_dtype(kv_format)
+        pages = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        groups = kv_quant.scale_groups(head_dim, kv_format)
+        scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), jnp.float32)
+                                for _ in range(num_layers))) if groups else (lambda: None)
+        return PagedKVCache(k=pages(), v=pages(), k_scales=scales(), v_scales=scales(),
+                            kv_format=kv_format, backend=backend)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        arrays = self.k + self.v + (self.k_scales or ()) + (self.v_scales or ())
+        return sum(a.nbytes for a in arrays)
+
+    def _slots(self, meta: AttentionMetadata) -> jax.Array:
+        """[B, T] flat slot (page * G + offset) of each new token; padding points past the pool."""
+        g = self.page_size
+        slots, valid = meta.new_token_slots()
+        index = jnp.clip(slots // g, 0, meta.page_tables.shape[1] - 1)
+        page = jnp.take_along_axis(meta.page_tables, index, axis=1)
+        return jnp.where(valid, page * g + slots % g, self.num_pages * g)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
+              ) -> "PagedKVCache":
+        slots = self._slots(meta)
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            flat = pool.reshape(-1, *pool.shape[2:])
+            flat = flat.at[slots].set(new.astype(pool.dtype), mode="drop")
+            return flat.reshape(pool.shape)
+
+        def update(pools: tuple[jax.Array, ...] | None, new: jax.Array | None):
+            if pools is None:
+                return None
+            return pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
+
+        k_data, k_scale = kv_quant.quantize(k, self.kv_format)
+        v_data, v_scale = kv_quant.quantize(v, self.kv_format)
+        return dataclasses.replace(self, k=update(self.k, k_data), v=update(self.v, v_data),
+                                   k_scales=update(self.k_scales, k_scale),
+                                   v_scales=update(self.v_scales, v_scale))
+
+    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        k_scales = None if self.k_scales is None else self.k_scales[layer]
+        v_scales = None if self.v_scales is None else self.v_scales[layer]
+        if self.backend == "pallas":
+            args = dict(k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
+            if q.shape[1] == 1 and meta.tree_mask is None:
+                out = paged_attention(q[:, 0], self.k[layer], self.v[layer], meta.lengths,
+                                      meta.page_tables, **args)
+                return out[:, None]
+            return paged_prefill_attention(q, self.k[layer], self.v[layer], meta.lengths,
+                                           meta.q_lens, meta.page_tables,
+                                           tree_mask=meta.tree_mask, **args)
+        k = self._gather(self.k[layer], k_scales, meta.page_tables, q.dtype)
+        v = self._gather(self.v[layer], v_scales, meta.page_tables, q.dtype)
+        return attention.masked_attention(q, k, v, attention.visibility_mask(meta, k.shape[2]))
+
+    def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
+                dtype: jnp.dtype) -> jax.Array:
+        """The row's pages as head-major [B, K, n * G, D], dequantized."""
+        b, n = page_tables.shape
+        # Transposing before dequantizing lets XLA fuse gather, transpose and dequantization
+        # into one pass over the pages.
+        data = pool[page_tables].transpose(0, 3, 1, 2, 4)
+        data = data.reshape(b, pool.shape[2], n * pool.shape[1], pool.shape[3])
+        if scales is not None:
+            scales = scales[page_tables].transpose(0, 3, 1, 2, 4)
+            scales = scales.reshape(b, pool.shape[2], n * pool.shape[1], scales.shape[-1])
+        return kv_quant.dequantize(data, scales, self.kv_format, dtype)
+
+
+def copy_pages(cache: PagedKVCache, src: list[int], dst: list[int]) -> PagedKVCache:
+    """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write of shared pages).
+    The cache is donated. Lists are padded to a power of two with dropped copies, so a run
+    compiles a handful of shapes."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source pages for {len(dst)} destinations")
+    if not src:
+        return cache
+    n = 1 << (len(src) - 1).bit_length()
+    pad = n - len(src)
+    return _copy_pages(cache, jnp.asarray(list(src) + [0] * pad, jnp.int32),
+                       jnp.asarray(list(dst) + [cache.num_pages] * pad, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    move = lambda pools: None if pools is None else tuple(
+        p.at[dst].set(p[src], mode="drop") for p in pools)
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v),
+                               k_scales=move(cache.k_scales), v_scales=move(cache.v_scales))
