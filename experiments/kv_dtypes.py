@@ -1,0 +1,164 @@
+"""KV cache formats: what each costs in quality and what it buys in memory and speed.
+
+  python -m experiments.kv_dtypes --eval_tokens=2048 --batch_sizes=1,8,32
+
+Quality: SmolLM2 reads a fixed real text (CPython's pydoc topics, no download) in chunks through a
+paged cache of each format, so every key and value it attends to has gone through that format.
+Against the float32 cache: mean KL(p_f32 || p_format) of the next-token distributions, top-1
+agreement, and the perplexity of the text. Memory: bytes per token, scales included.
+Speed: decode tokens/s per format and batch size (reference attention backend).
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+
+flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+                              "int8", "int4"], "KV cache formats")
+flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format")
+flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep")
+flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point")
+flags.DEFINE_integer("page_size", 16, "tokens per page")
+flags.DEFINE_string("out", "results/kv_dtypes.jsonl", "JSONL output (a PNG plot beside it)")
+FLAGS = flags.FLAGS
+
+
+def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_size: int):
+    """Log-probabilities [N-1, V] of each next token of `ids`, read in chunks through a paged
+    cache of `kv_format`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from infer.kv_cache import AttentionMetadata
+    from infer.paged_cache import PagedKVCache
+
+    n = len(ids)
+    pages = -(-n // page_size)
+    cache = PagedKVCache.create(config.num_layers, pages, page_size, config.num_kv_heads,
+                                config.head_dim, kv_format)
+    tables = jnp.arange(pages, dtype=jnp.int32)[None]
+    out = []
+    for start in range(0, n, chunk):
+        piece = ids[start:start + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :len(piece)] = piece
+        meta = AttentionMetadata.for_prefill(jnp.asarray([len(piece)]), chunk,
+                                             cached=jnp.asarray([start]), page_tables=tables)
+        logits, _, cache = steps.forward_step(cache, jnp.asarray(tokens), meta)
+        out.append(np.asarray(jax.nn.log_softmax(logits[0, :len(piece)], axis=-1)))
+    return np.concatenate(out)[:-1]
+
+
+def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[int],
+        decode_tokens: int, page_size: int, out: str) -> list[dict]:
+    import numpy as np
+    from tqdm import tqdm
+
+    from experiments.common import JsonlWriter, markdown_table, real_text
+    from infer.loader import load
+    from infer.loop import PagedLayout, decode_stream
+    from infer.memory import kv_bytes_per_token
+    from infer.sampling import SamplingParams
+    from infer.steps import Steps
+
+    config, model, tokenizer = load("smollm2-135m", "float32")
+    steps = Steps(model)
+    # The last part of the pydoc text: the first part is kept for training drafts (issue 6).
+    ids = tokenizer.encode(real_text(60_000, offset=380_000))[:eval_tokens + 1]
+    if len(ids) < eval_tokens + 1:
+        raise ValueError(f"only {len(ids)} tokens of evaluation text")
+    targets = np.asarray(ids[1:])
+    writer = JsonlWriter(out)
+    reference = score_text(steps, config, ids, "float32", chunk, page_size)
+    p_ref = np.exp(reference)
+    rows = []
+    for kv_format in tqdm(formats, desc="quality"):
+        logp = reference if kv_format == "float32" else score_text(steps, config, ids, kv_format,
+                                                                   chunk, page_size)
+        kl = float(np.mean(np.sum(p_ref * (reference - logp), axis=-1)))
+        row = {
+            "experiment": "kv_dtypes", "kind": "quality", "kv_format": kv_format,
+            "eval_tokens": len(targets), "kl_vs_float32": kl,
+            "top1_agreement": float(np.mean(logp.argmax(-1) == reference.argmax(-1))),
+            "perplexity": float(np.exp(-np.mean(logp[np.arange(len(targets)), targets]))),
+            "bytes_per_token": kv_bytes_per_token(config, kv_format),
+            "bytes_per_token_no_scales": kv_bytes_per_token(config, kv_format, include_scales=False),
+        }
+        writer.write(row)
+        rows.append(row)
+
+    prompts = tokenizer.encode(real_text(20_000, offset=360_000))
+    speed_rows = []
+    for kv_format in tqdm(formats, desc="speed"):
+        for b in batch_sizes:
+            batch = [prompts[i * 64:(i + 1) * 64] for i in range(b)]
+            params = [SamplingParams(ignore_eos=True)] * b
+            layout = PagedLayout(page_size=page_size, kv_format=kv_format)
+
+            def generate(n: int) -> None:
+                for _ in decode_stream(steps, batch, params, n, paged=layout):
+                    pass
+
+            generate(decode_tokens + 1)  # compile every shape
+            t0 = time.perf_counter(); generate(1); first = time.perf_counter() - t0
+            t0 = time.perf_counter(); generate(decode_tokens + 1); full = time.perf_counter() - t0
+            step = (full - first) / decode_tokens
+            row = {"experiment": "kv_dtypes", "kind": "speed", "kv_format": kv_format, "batch": b,
+                   "decode_tok_s": b / step, "decode_step_ms": step * 1e3,
+                   "kv_bytes_per_token": kv_bytes_per_token(config, kv_format),
+                   "kv_bytes_at_128_tokens": b * 128 * kv_bytes_per_token(config, kv_format)}
+            writer.write(row)
+            speed_rows.append(row)
+
+    print(markdown_table(rows, [("kv_format", "KV format"), ("bytes_per_token", "bytes/token"),
+                                ("kl_vs_float32", "KL vs f32"), ("top1_agreement", "top-1 agree"),
+                                ("perplexity", "perplexity")]))
+    print(markdown_table(speed_rows, [("kv_format", "KV format"), ("batch", "batch"),
+                                      ("decode_tok_s", "decode tok/s"),
+                                      ("decode_step_ms", "step ms")]))
+    plot(rows, speed_rows, out.replace(".jsonl", ".png"))
+    return rows + speed_rows
+
+
+def plot(quality: list[dict], speed: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in quality:
+        a.scatter(r["bytes_per_token"] / 1024, max(r["kl_vs_float32"], 1e-7))
+        a.annotate(f"{r['kv_format']}\n{100 * r['top1_agreement']:.1f}% top-1",
+                   (r["bytes_per_token"] / 1024, max(r["kl_vs_float32"], 1e-7)), fontsize=8)
+    a.set_yscale("log")
+    a.set_xlabel("KV bytes per token (KiB, scales included)")
+    a.set_ylabel("mean KL(p_f32 || p) per token")
+    a.set_title("SmolLM2-135M: quality against cache size")
+    for kv_format in dict.fromkeys(r["kv_format"] for r in speed):
+        pts = [r for r in speed if r["kv_format"] == kv_format]
+        b.plot([r["batch"] for r in pts], [r["decode_tok_s"] for r in pts], marker="o",
+               label=kv_format)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("batch size")
+    b.set_ylabel("decode tokens/s")
+    b.set_title("decode speed by KV format (CPU, reference backend)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu
+    configure_xla_cpu()
+    run(formats=FLAGS.formats, eval_tokens=FLAGS.eval_tokens, chunk=FLAGS.chunk,
+        batch_sizes=[int(b) for b in FLAGS.batch_sizes], decode_tokens=FLAGS.decode_tokens,
+        page_size=FLAGS.page_size, out=FLAGS.out)
+
+
+if __name__ == "__main__":
+    app.run(main)
