@@ -136,3 +136,12 @@ def real_text(min_chars: int, offset: int = 0) -> str:
     if offset + min_chars > len(text):
         raise ValueError(f"asked for {min_chars} chars at {offset}; pydoc topics hold {len(text)}")
     return text[offset:offset + min_chars]
+
+
+def run_experiment(main: Callable[[list[str]], None], experiment_flags: Any) -> None:
+    """`app.run` for an experiment whose flags live in their own `flags.FlagValues`, so that
+    experiment modules can be imported side by side (tests, notebooks, one experiment calling
+    another) without redefining each other's flags. absl's own flags are parsed first."""
+    from absl import app, flags
+
+    app.run(main, flags_parser=lambda argv: experiment_flags(flags.FLAGS(argv, known_only=True)))

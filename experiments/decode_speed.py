@@ -13,16 +13,16 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 
-flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype (both libraries)")
-flags.DEFINE_integer("tokens", 32, "decode steps timed per measurement")
-flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row")
-flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)")
-flags.DEFINE_list("peers", ["hf"], "peers measured in the same run: hf, or none")
-flags.DEFINE_string("out", "results/decode_speed.jsonl", "JSONL output")
-FLAGS = flags.FLAGS
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype (both libraries)", flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 32, "decode steps timed per measurement", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)", flag_values=FLAGS)
+flags.DEFINE_list("peers", ["hf"], "peers measured in the same run: hf, or none", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/decode_speed.jsonl", "JSONL output", flag_values=FLAGS)
 
 
 def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, repeats: int,
@@ -121,4 +121,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)

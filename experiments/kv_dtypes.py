@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
 
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                              "int8", "int4"], "KV cache formats")
-flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format")
-flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring")
-flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep")
-flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point")
-flags.DEFINE_integer("page_size", 16, "tokens per page")
-flags.DEFINE_string("out", "results/kv_dtypes.jsonl", "JSONL output (a PNG plot beside it)")
-FLAGS = flags.FLAGS
+                              "int8", "int4"], "KV cache formats", flag_values=FLAGS)
+flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format", flag_values=FLAGS)
+flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring", flag_values=FLAGS)
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep", flag_values=FLAGS)
+flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", flag_values=FLAGS)
+flags.DEFINE_integer("page_size", 16, "tokens per page", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/kv_dtypes.jsonl", "JSONL output (a PNG plot beside it)", flag_values=FLAGS)
 
 
 def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_size: int):
@@ -161,4 +161,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)

@@ -2,81 +2,114 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
-import numpy as np
-
+from infer.config import LlamaConfig
+from infer.engine import Engine, EngineConfig
 from infer.loader import load
-from infer.loop import decode_stream, validate_prompts
-from infer.steps import Steps
-from infer.request import Request, RequestOutput
+from infer.model import Llama
+from infer.request import RequestOutput
 from infer.sampling import SamplingParams
+from infer.tokenizer import Tokenizer
 
 Conversation = list[dict[str, str]]
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32",
-                 max_num_seqs: int = 32) -> None:
-        self.config, self.model, self.tokenizer = load(model, dtype)
-        self.steps = Steps(self.model)
-        self.max_num_seqs = max_num_seqs
-        self._next_id = 0
+    """Loads a model and serves it with the engine. Arguments as in vLLM where they overlap:
 
-    def _requests(self, prompts: Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None,
-                  sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[Request]:
+    model: a bundled preset ("smollm2-135m"), a GGUF file or a HF directory.
+    dtype: weights, "float32" or "bfloat16". kv_cache_dtype: "auto" (the weights' dtype) or a
+    KV format (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4).
+    scheduler: "continuous" or "static". attention_backend: "reference" or "pallas".
+    """
+
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32",
+                 kv_cache_dtype: str = "auto", page_size: int = 16, max_num_seqs: int = 32,
+                 scheduler: str = "continuous", enable_prefix_caching: bool = False,
+                 attention_backend: str = "reference", speculative: dict | None = None,
+                 max_model_len: int = 2048, max_prefill_tokens: int = 256,
+                 num_pages: int | None = None, static_max_wait_s: float = math.inf) -> None:
+        if enable_prefix_caching:
+            raise NotImplementedError("prefix caching is not built yet")
+        if speculative is not None:
+            raise NotImplementedError("speculative decoding is not built yet")
+        self.config, self.model, self.tokenizer = load(model, dtype)
+        self.engine = Engine(self.model, self.tokenizer, EngineConfig(
+            kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
+            num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
+            attention_backend=attention_backend))
+
+    @classmethod
+    def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
+                    **engine: object) -> "LLM":
+        """An LLM over an already loaded model (from `infer.load`); `engine` takes the
+        EngineConfig fields."""
+        llm = cls.__new__(cls)
+        llm.config, llm.model, llm.tokenizer = config, model, tokenizer
+        llm.engine = Engine(model, tokenizer, EngineConfig(**engine))
+        return llm
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in the order of the prompts. All requests
+        are validated before any is queued."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
-        texts: list[str | None]
-        if prompts is not None:
-            for i, p in enumerate(prompts):
-                if not isinstance(p, str) or not p:
-                    raise ValueError(f"prompt {i} is empty or not a string: {p!r}")
-            texts = list(prompts)
-            ids = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            texts = [None] * len(prompt_token_ids)
-            ids = [list(map(int, p)) for p in prompt_token_ids]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(ids)
-        if len(sampling_params) != len(ids):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(ids)} prompts")
-        requests = []
-        for text, prompt_ids, params in zip(texts, ids, sampling_params):
-            requests.append(Request(str(self._next_id), prompt_ids, params, self.tokenizer,
-                                    self.tokenizer.eos_ids, prompt=text))
-            self._next_id += 1
-        return requests
+        n = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
+                  else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
+        for i, kw in enumerate(inputs):
+            self._check(i, kw, sampling_params[i])
+        ids = [self.engine.add_request(params=sp, **kw) for kw, sp in zip(inputs, sampling_params)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=n, desc="requests")
+        for out in self.engine.stream():
+            if bar is not None and out.finished:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self.engine.output(i) for i in ids]
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
-        requests = self._requests(prompts, prompt_token_ids, sampling_params)
-        validate_prompts([r.prompt_token_ids for r in requests], self.config.vocab_size,
-                         self.config.max_position_embeddings, [r.params.max_tokens for r in requests])
-        for start in range(0, len(requests), self.max_num_seqs):
-            self._run_batch(requests[start:start + self.max_num_seqs])
-        return [r.output() for r in requests]
+    def _check(self, index: int, request: dict, params: SamplingParams) -> None:
+        """The engine's own validation, run on every request before any is queued, with the
+        prompt's index in the message."""
+        try:
+            if "prompt" in request:
+                p = request["prompt"]
+                if not isinstance(p, str) or not p:
+                    raise ValueError("prompt is empty or not a string")
+                ids = self.tokenizer.encode(p)
+            else:
+                ids = list(request["prompt_token_ids"])
+                if not ids:
+                    raise ValueError("prompt is empty")
+            vocab = self.config.vocab_size
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            limit = self.engine.config.max_model_len
+            if len(ids) + params.max_tokens > limit:
+                raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} "
+                                 f"exceed max_model_len={limit}")
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
 
     def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params)
-
-    def _run_batch(self, batch: list[Request]) -> None:
-        steps = max(r.params.max_tokens for r in batch)
-        stream = decode_stream(self.steps, [r.prompt_token_ids for r in batch],
-                               [r.params for r in batch], steps)
-        for tokens in stream:
-            for request, token in zip(batch, np.asarray(tokens)):
-                if not request.finished:
-                    request.append(int(token))
-            if all(r.finished for r in batch):
-                stream.close()
-                break
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

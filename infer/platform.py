@@ -1,8 +1,10 @@
-"""XLA:CPU settings that the entry points (CLI, experiments) apply before JAX starts.
+"""Process-level JAX settings that the entry points (CLI, experiments) apply before JAX starts.
 
-oneDNN for matmuls, in place of the default YNNPACK fusions: measured on the development machine
-(2-core AMD EPYC), a [2048, 576] x [576, 1536] product ran at 164 GFLOP/s against 135, and the
-SmolLM2 decode step at batch 8 took 54-58 ms against 70-75 ms; batch 1 and 32 were within noise.
+XLA:CPU matmul flags were tried and are not set: routing matmuls through oneDNN
+(--xla_cpu_use_onednn=true with the YNNPACK fusions off) sped a [2048, 576] x [576, 1536]
+product from 135 to 164 GFLOP/s, but made the [M, 576] x [576, 49152] vocabulary projection take
+100-125 ms for M = 2..6 instead of 11 (measured on the development machine), which a serving
+engine hits at every small decode batch.
 """
 
 from __future__ import annotations
@@ -10,19 +12,23 @@ from __future__ import annotations
 import logging
 import os
 
-CPU_FLAGS = ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_ynn_fusion_type=")
+
+def configure_xla_cpu() -> None:
+    """Quiets JAX's notice that it found no TPU (it logs one at every start on a CPU machine)."""
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
-def configure_xla_cpu() -> bool:
-    """Adds CPU_FLAGS to XLA_FLAGS unless the user set those flags already. XLA reads the flags
-    when JAX creates its backend: returns False (and changes nothing) if that already happened."""
-    from jax._src import xla_bridge
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Turns on JAX's persistent compilation cache (default `~/.cache/infer/xla`, or
+    $INFER_CACHE_DIR/xla): a second run of an experiment loads its compiled programs from disk
+    instead of compiling them again. Returns the directory."""
+    import jax
 
-    if xla_bridge.backends_are_initialized():
-        logging.warning("JAX backend already initialized; XLA:CPU flags not applied")
-        return False
-    current = os.environ.get("XLA_FLAGS", "")
-    extra = [f for f in CPU_FLAGS if f.split("=")[0] not in current]
-    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # no libtpu notice
-    return True
+    if path is None:
+        root = os.environ.get("INFER_CACHE_DIR") or os.path.join(
+            os.path.expanduser("~"), ".cache", "infer")
+        path = os.path.join(root, "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path

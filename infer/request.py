@@ -78,6 +78,10 @@ class Request:
         return self.prompt_token_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
+
+    @property
     def text(self) -> str:
         return self._text
 

@@ -84,6 +84,11 @@ class Steps:
         """
         return self._prefill(self.params, cache, tokens, meta, sampling, steps)
 
+    def lower_prefill(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                      sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+        """prefill_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._prefill.lower(self.params, cache, tokens, meta, sampling, steps)
+
     def decode_step(self, cache: CacheT, state: DecodeState
                     ) -> tuple[DecodeState, jax.Array, CacheT]:
         """Feeds each row's last token, writes its KV, samples the next.

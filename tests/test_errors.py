@@ -15,30 +15,26 @@ from infer.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def llm(smollm2):
     from infer.llm import LLM
-    instance = LLM.__new__(LLM)  # reuse the session's loaded model instead of loading again
-    from infer.steps import Steps
-    instance.config, instance.model, instance.tokenizer = smollm2
-    instance.steps = Steps(instance.model)
-    instance.max_num_seqs = 4
-    instance._next_id = 0
-    return instance
+    return LLM.from_loaded(*smollm2, max_num_seqs=4, max_model_len=8192, num_pages=64)
 
 
 def test_empty_prompt(llm) -> None:
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
+    with pytest.raises(ValueError, match="prompt 0: prompt is empty"):
         llm.generate("")
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
-        llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(prompt_token_ids=[[5], []])
 
 
 def test_prompt_longer_than_context(llm) -> None:
     too_long = [[1] * (llm.config.max_position_embeddings - 3)]
-    with pytest.raises(ValueError, match=r"more than the context of 8192"):
+    with pytest.raises(ValueError, match=r"prompt 0: 8189 prompt tokens \+ max_tokens=10 exceed "
+                                         r"max_model_len=8192"):
         llm.generate(prompt_token_ids=too_long, sampling_params=SamplingParams(max_tokens=10))
 
 
 def test_token_outside_vocabulary(llm) -> None:
-    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 49152\): \[49152\]"):
+    with pytest.raises(ValueError, match=r"prompt 0: token ids outside the vocabulary \[0, 49152\): "
+                                         r"\[49152\]"):
         llm.generate(prompt_token_ids=[[1, 2, 49152]])
     with pytest.raises(ValueError, match=r"outside the vocabulary"):
         llm.generate(prompt_token_ids=[[-1]])

@@ -1,0 +1,184 @@
+"""How many users fit: KV bytes per token, GQA saving, weights and the KV budget left beside them,
+per model and KV-cache format, on a set of GPUs (the lesson's exercises 1 and 3). Arithmetic
+only: no model is loaded.
+
+  python -m experiments.memory_budget --gpus=4 --gpu_memory_gb=80 --contexts=2048,4096,32768
+
+Quantized formats carry float32 scales (fp8: one per head and token; int4: one per group of 32),
+so their real cost is above the ideal bits; both are reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("models", ["llama-3-8b", "llama-3-70b", "llama-3-405b", "mistral-7b"],
+                  "model presets", flag_values=FLAGS)
+flags.DEFINE_list("kv_formats", ["float16", "float8_e4m3fn", "int4"], "KV-cache formats", flag_values=FLAGS)
+flags.DEFINE_integer("gpus", 4, "number of GPUs", flag_values=FLAGS)
+flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)", flag_values=FLAGS)
+flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAGS)
+flags.DEFINE_float("overhead_fraction", 0.1,
+                   "fraction of GPU memory kept for activations and workspace", flag_values=FLAGS)
+flags.DEFINE_list("contexts", ["2048", "4096", "32768"], "context lengths for max users", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/memory_budget.jsonl", "JSONL output", flag_values=FLAGS)
+flags.DEFINE_string("plot", "results/memory_budget.png", "PNG plot (empty: none)", flag_values=FLAGS)
+
+FORMAT_LABELS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16",
+                 "float8_e4m3fn": "FP8", "float8_e5m2": "FP8-e5m2", "int8": "INT8", "int4": "INT4"}
+PLOT_CONTEXT = 4096
+# The lesson's worked figure: 2 (K and V) * 80 layers * 8 KV heads * 128 dims * 2 bytes.
+LLAMA3_70B_BF16_BYTES = 327_680
+
+
+def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
+               weight_dtype: str, overhead_fraction: float, contexts: list[int]) -> dict:
+    """One model × format point; a model whose weights leave no room gets fits=False, 0 users."""
+    from infer.config import get_config
+    from infer.memory import GB, gqa_saving, kv_bytes_per_token, kv_format_name, memory_budget
+
+    config = get_config(model)
+    name = kv_format_name(kv_format)
+    budget = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=gpus,
+                           weight_dtype=weight_dtype, kv_format=name,
+                           overhead_fraction=overhead_fraction)
+    ideal = kv_bytes_per_token(config, name, include_scales=False)
+    ideal_tokens = max(0, int(budget.kv_bytes_available // ideal))
+    # Full multi-head attention would keep one KV head per query head.
+    mha = kv_bytes_per_token(config.replace(num_kv_heads=config.num_heads), name)
+    usable = budget.gpu_memory_bytes - budget.overhead_bytes
+    row = {
+        "experiment": "memory_budget", "model": model, "kv_format": name,
+        "format": FORMAT_LABELS.get(name, name), "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+        "weight_dtype": weight_dtype, "overhead_fraction": overhead_fraction,
+        "kv_bytes_per_token": budget.kv_bytes_per_token, "kv_bytes_per_token_ideal": ideal,
+        "mha_kv_bytes_per_token": mha, "gqa_saving": gqa_saving(config),
+        "weight_gb": budget.weight_bytes / GB, "usable_gb": usable / GB,
+        "kv_gb_available": max(0.0, budget.kv_bytes_available) / GB,
+        "fits": budget.fits, "max_cached_tokens": budget.max_cached_tokens,
+        "status": "ok" if budget.fits else (
+            f"does not fit: {budget.weight_bytes / GB:.0f} GB of {weight_dtype} weights > "
+            f"{usable / GB:.0f} GB usable"),
+    }
+    for ctx in contexts:
+        row[f"max_users_{ctx}"] = budget.max_users(ctx)
+        row[f"max_users_ideal_{ctx}"] = ideal_tokens // ctx
+        row[f"max_users_mha_{ctx}"] = max(0, int(budget.kv_bytes_available // mha)) // ctx
+    return row
+
+
+def run(*, models: list[str], kv_formats: list[str], gpus: int, gpu_memory_gb: float,
+        weight_dtype: str, overhead_fraction: float, contexts: list[int], out: str,
+        plot: str) -> list[dict]:
+    from experiments.common import JsonlWriter, markdown_table
+
+    common = dict(gpus=gpus, gpu_memory_gb=gpu_memory_gb, weight_dtype=weight_dtype,
+                  overhead_fraction=overhead_fraction, contexts=contexts)
+    writer = JsonlWriter(out)
+    rows = []
+    for model in models:
+        for fmt in kv_formats:
+            row = budget_row(model, fmt, **common)
+            writer.write(row)
+            rows.append(row)
+
+    print(f"\n{gpus}×{gpu_memory_gb:g} GB, {weight_dtype} weights, "
+          f"{overhead_fraction:.0%} reserved for activations\n")
+    columns = [("model", "model"), ("format", "KV"), ("kv_bytes_per_token", "B/token"),
+               ("kv_bytes_per_token_ideal", "ideal B/token"), ("gqa_saving", "GQA ×"),
+               ("weight_gb", "weights GB"), ("kv_gb_available", "KV GB"),
+               ("max_cached_tokens", "max tokens")]
+    columns += [(f"max_users_{c}", f"users@{c}") for c in contexts]
+    columns += [("status", "status")]
+    print(markdown_table(rows, columns))
+    print(exercise_answers(common))
+    if plot:
+        plot_users(rows, plot, PLOT_CONTEXT if PLOT_CONTEXT in contexts else contexts[0])
+    return rows
+
+
+def exercise_answers(common: dict) -> str:
+    """The lesson's exercises 1 (FP16 vs FP8 vs INT4 users for Llama-3-70B at 4k) and 3 (GQA)."""
+    from infer.config import get_config
+    from infer.memory import kv_bytes_per_token
+
+    ctx = PLOT_CONTEXT
+    common = {**common, "contexts": [ctx]}
+    by_fmt = {f: budget_row("llama-3-70b", f, **common)
+              for f in ("float16", "float8_e4m3fn", "int4")}
+    fp16, int4 = by_fmt["float16"], by_fmt["int4"]
+    lines = [f"\nExercise 1: Llama-3-70B, {common['gpus']}×{common['gpu_memory_gb']:g} GB, "
+             f"context {ctx}, {fp16['kv_gb_available']:.1f} GB for KV"]
+    for row in by_fmt.values():
+        lines.append(f"  {row['format']:5s} {row['kv_bytes_per_token']:>9,} B/token "
+                     f"(ideal {row['kv_bytes_per_token_ideal']:,})  ->  "
+                     f"{row[f'max_users_{ctx}']} users (ideal {row[f'max_users_ideal_{ctx}']})")
+    if fp16[f"max_users_{ctx}"]:
+        u16 = fp16[f"max_users_{ctx}"]
+        lines.append(
+            f"  INT4/FP16 users: {int4[f'max_users_{ctx}'] / u16:.2f}× with scale overhead "
+            f"(bytes {fp16['kv_bytes_per_token'] / int4['kv_bytes_per_token']:.2f}×), "
+            f"{int4[f'max_users_ideal_{ctx}'] / u16:.2f}× ideal 4-bit "
+            f"(bytes {fp16['kv_bytes_per_token'] / int4['kv_bytes_per_token_ideal']:.2f}×)")
+    config = get_config("llama-3-70b")
+    lines.append(
+        f"Exercise 3: GQA, {config.num_heads} query heads / {config.num_kv_heads} KV heads = "
+        f"{fp16['gqa_saving']:g}× smaller KV: {fp16['mha_kv_bytes_per_token']:,} B/token with full "
+        f"MHA -> {fp16['kv_bytes_per_token']:,}; FP16 users at {ctx}: "
+        f"{fp16[f'max_users_mha_{ctx}']} (MHA) -> {fp16[f'max_users_{ctx}']} (GQA)")
+    bf16 = kv_bytes_per_token(config, "bfloat16")
+    ok = "OK" if bf16 == LLAMA3_70B_BF16_BYTES else f"MISMATCH (expected {LLAMA3_70B_BF16_BYTES:,})"
+    lines.append(f"Check: Llama-3-70B bf16 KV = {bf16:,} B/token "
+                 f"(2 × 80 layers × 8 heads × 128 × 2 B): {ok}")
+    return "\n".join(lines)
+
+
+def plot_users(rows: list[dict], path: str, ctx: int) -> None:
+    """Grouped bars: max users at `ctx` per model, one bar per KV format."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    width = 0.8 / len(formats)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = np.arange(len(models))
+    for i, fmt in enumerate(formats):
+        users = [next((r[f"max_users_{ctx}"] for r in rows
+                       if r["model"] == m and r["format"] == fmt), 0) for m in models]
+        bars = ax.bar(x + (i - (len(formats) - 1) / 2) * width, users, width, label=fmt)
+        ax.bar_label(bars, fontsize=7)
+    for j, m in enumerate(models):
+        if not any(r["fits"] for r in rows if r["model"] == m):
+            ax.annotate("weights do not fit", (j, 0), xytext=(0, 12), textcoords="offset points",
+                        ha="center", fontsize=8, color="red")
+    r0 = rows[0]
+    ax.set_xticks(x, models)
+    ax.set_ylabel(f"max concurrent users at {ctx} tokens")
+    ax.set_title(f"KV-cache capacity on {r0['gpus']}×{r0['gpu_memory_gb']:g} GB "
+                 f"({r0['weight_dtype']} weights, {r0['overhead_fraction']:.0%} reserve)")
+    ax.legend(title="KV format")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu
+    configure_xla_cpu()
+    run(models=FLAGS.models, kv_formats=FLAGS.kv_formats, gpus=FLAGS.gpus,
+        gpu_memory_gb=FLAGS.gpu_memory_gb, weight_dtype=FLAGS.weight_dtype,
+        overhead_fraction=FLAGS.overhead_fraction, contexts=[int(c) for c in FLAGS.contexts],
+        out=FLAGS.out, plot=FLAGS.plot)
+
+
+if __name__ == "__main__":
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)

@@ -1,0 +1,325 @@
+"""The main job (`make run`): a serving benchmark on SmolLM2-135M.
+
+  python -m experiments.serve --num_requests=50 --rate=4 [--peers=hf,llamacpp]
+
+One workload -- Poisson arrivals, prompts of real text (CPython's pydoc topics) with lengths drawn
+uniformly, output lengths Pareto(shape 1.5, scale 20) capped -- is served by infer with static
+batching and with continuous batching, and, in the same run, by HF transformers' batched
+`generate` in static batches (and with --peers=llamacpp by llama.cpp, one request at a time, as
+its Python API serves them). Every request asks for exactly its output length (EOS ignored), so
+all runs produce the same tokens' worth of work.
+
+Prints a table, appends rows to results/serve.jsonl, and plots slot utilization over time for
+static against continuous batching plus throughput and latency side by side (results/serve.png).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+from absl import flags
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_integer("num_requests", 50, "requests in the workload", flag_values=FLAGS)
+flags.DEFINE_float("rate", 4.0, "mean arrivals per second (Poisson)", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_min", 32, "shortest prompt, tokens", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_max", 256, "longest prompt, tokens", flag_values=FLAGS)
+flags.DEFINE_float("output_shape", 1.5, "Pareto shape of output lengths", flag_values=FLAGS)
+flags.DEFINE_float("output_scale", 20.0, "Pareto scale (minimum) of output lengths",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("output_cap", 256, "longest output, tokens", flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 32, "batch slots", flag_values=FLAGS)
+flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk size", flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 512, "longest sequence", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
+flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache format", flag_values=FLAGS)
+flags.DEFINE_list("policies", ["static", "continuous"], "infer scheduler policies",
+                  flag_values=FLAGS)
+flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, none",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/serve.jsonl", "JSONL output (a PNG plot beside it)",
+                    flag_values=FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    arrival_s: float  # offset from the start of the run
+    prompt_ids: tuple[int, ...]
+    output_len: int
+
+
+def make_workload(text_ids: Sequence[int], *, num_requests: int, rate: float, prompt_min: int,
+                  prompt_max: int, output_shape: float, output_scale: float, output_cap: int,
+                  seed: int) -> list[WorkItem]:
+    """Poisson arrivals; prompts are slices of real text; outputs Pareto(shape, scale), capped."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, num_requests))
+    arrivals -= arrivals[0]  # the first request opens the run
+    lengths = rng.integers(prompt_min, prompt_max + 1, num_requests)
+    outputs = np.minimum(np.floor(output_scale * (1 + rng.pareto(output_shape, num_requests))),
+                         output_cap).astype(int)
+    starts = rng.integers(0, len(text_ids) - prompt_max, num_requests)
+    return [WorkItem(float(a), tuple(int(t) for t in text_ids[s:s + n]), int(o))
+            for a, s, n, o in zip(arrivals, starts, lengths, outputs)]
+
+
+def serve_infer(engine, work: list[WorkItem], desc: str):
+    """Feeds the workload to the engine in real time; returns (metrics, step records, wall s)."""
+    from tqdm import tqdm
+
+    from infer.sampling import SamplingParams
+
+    pending = collections.deque(work)
+    ids = []
+    bar = tqdm(total=len(work), desc=desc, leave=False)
+    start = time.perf_counter()
+    first_record = len(engine.records)
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            item = pending.popleft()
+            ids.append(engine.add_request(
+                prompt_token_ids=list(item.prompt_ids), arrival_s=start + item.arrival_s,
+                params=SamplingParams(max_tokens=item.output_len, ignore_eos=True)))
+        engine.scheduler.draining = not pending
+        idle = True
+        if engine.has_unfinished():
+            for out in engine.step():
+                bar.update(out.finished)
+            idle = engine.records[-1].kind == "idle"
+        if idle and pending:  # a static batch waits, or nothing runs: sleep to the next arrival
+            time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
+    wall = time.perf_counter() - start
+    bar.close()
+    return [engine.output(i).metrics for i in ids], engine.records[first_record:], start, wall
+
+
+def serve_hf(model, work: list[WorkItem], batch_size: int, desc: str):
+    """HF transformers' batched generate in static batches of `batch_size`, in arrival order: a
+    batch starts when its last request has arrived and the previous batch is done, and runs
+    until its longest request ends. Per-token times come from a logits processor, which HF calls
+    once per decoding step."""
+    import torch
+    from tqdm import tqdm
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from infer.request import RequestMetrics
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    metrics = []
+    bar = tqdm(total=len(work), desc=desc, leave=False)
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i:i + batch_size]
+        time.sleep(max(0.0, batch[-1].arrival_s - (time.perf_counter() - start)))
+        width = max(len(w.prompt_ids) for w in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, w in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[row, width - len(w.prompt_ids):] = torch.tensor(w.prompt_ids)
+            mask[row, width - len(w.prompt_ids):] = 1
+        n = max(w.output_len for w in batch)
+        clock = StepClock()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+        # The processor runs after each forward, just before the token is chosen.
+        for w in batch:
+            arrival = start + w.arrival_s
+            times = clock.times[:w.output_len]
+            itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
+            metrics.append(RequestMetrics(
+                arrival_s=arrival, ttft_s=times[0] - arrival,
+                tpot_s=float(np.mean(itl)) if itl else None, e2e_s=times[-1] - arrival,
+                itl_s=itl, num_prompt_tokens=len(w.prompt_ids), num_output_tokens=w.output_len))
+        bar.update(len(batch))
+    bar.close()
+    return metrics, start, time.perf_counter() - start
+
+
+def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos_id: int,
+                   desc: str):
+    """llama.cpp through llama-cpp-python, one request at a time in arrival order (its Python
+    API serves one sequence per model instance). EOS is banned so outputs reach their length."""
+    from llama_cpp import Llama
+    from tqdm import tqdm
+
+    from infer.request import RequestMetrics
+
+    llm = Llama(model_path=gguf_path, n_ctx=max_model_len, n_threads=os.cpu_count() or 2,
+                n_batch=256, verbose=False, use_extra_bufts=False)
+    metrics = []
+    bar = tqdm(total=len(work), desc=desc, leave=False)
+    start = time.perf_counter()
+    for w in work:
+        time.sleep(max(0.0, w.arrival_s - (time.perf_counter() - start)))
+        llm.reset()
+        times = []
+        for _ in llm.create_completion(list(w.prompt_ids), max_tokens=w.output_len,
+                                       temperature=0.0, stream=True,
+                                       logit_bias={eos_id: -1e9}):
+            times.append(time.perf_counter())
+        arrival = start + w.arrival_s
+        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
+        metrics.append(RequestMetrics(
+            arrival_s=arrival, ttft_s=times[0] - arrival, tpot_s=float(np.mean(itl)) if itl else None,
+            e2e_s=times[-1] - arrival, itl_s=itl, num_prompt_tokens=len(w.prompt_ids),
+            num_output_tokens=len(times)))
+        bar.update(1)
+    bar.close()
+    return metrics, start, time.perf_counter() - start
+
+
+def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
+        output_shape: float, output_scale: float, output_cap: int, max_num_seqs: int,
+        max_prefill_tokens: int, max_model_len: int, dtype: str, kv_cache_dtype: str,
+        policies: list[str], peers: list[str], seed: int, out: str) -> list[dict]:
+    from experiments.common import JsonlWriter, markdown_table, real_text
+    from infer.checkpoint import smollm2_gguf_path
+    from infer.engine import Engine, EngineConfig
+    from infer.loader import load
+    from infer.metrics import summarize
+
+    config, model, tokenizer = load("smollm2-135m", dtype)
+    text_ids = tokenizer.encode(real_text(400_000))
+    work = make_workload(text_ids, num_requests=num_requests, rate=rate, prompt_min=prompt_min,
+                         prompt_max=prompt_max, output_shape=output_shape,
+                         output_scale=output_scale, output_cap=output_cap, seed=seed)
+    print(f"{len(work)} requests over {work[-1].arrival_s:.1f} s; prompts "
+          f"{np.mean([len(w.prompt_ids) for w in work]):.0f} tokens on average, outputs "
+          f"{np.mean([w.output_len for w in work]):.0f} (max {max(w.output_len for w in work)})")
+    workload = dict(num_requests=num_requests, rate=rate, prompt_min=prompt_min,
+                    prompt_max=prompt_max, output_shape=output_shape, output_scale=output_scale,
+                    output_cap=output_cap, seed=seed, max_num_seqs=max_num_seqs, dtype=dtype)
+    writer = JsonlWriter(out)
+    rows, timelines = [], {}
+
+    def record(impl: str, policy: str, metrics, wall: float, records=()) -> None:
+        row = {"experiment": "serve", "impl": impl, "policy": policy, **workload,
+               **summarize(metrics, wall, records)}
+        writer.write(row)
+        rows.append(row)
+
+    runner = None
+    for policy in policies:
+        engine = Engine(model, tokenizer, EngineConfig(
+            kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+            max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, scheduler=policy),
+            runner=runner)
+        if runner is None:
+            start = time.perf_counter()
+            programs = engine.warmup(progress=True)
+            print(f"compiled {programs} programs in {time.perf_counter() - start:.0f} s")
+            runner = engine.runner
+        metrics, records, start, wall = serve_infer(engine, work, f"infer {policy}")
+        record("infer", policy, metrics, wall, records)
+        timelines[policy] = [(r.start_s - start, r.end_s - start, r.slot_utilization)
+                             for r in records if r.kind != "idle"]
+    if "hf" in peers:
+        hf = _load_hf(dtype)
+        metrics, _, wall = serve_hf(hf, work, max_num_seqs, "HF transformers static")
+        record("hf-transformers", "static", metrics, wall)
+        del hf
+    if "llamacpp" in peers:
+        metrics, _, wall = serve_llamacpp(smollm2_gguf_path(), work, max_model_len,
+                                          tokenizer.eos_ids[0], "llama.cpp")
+        record("llama.cpp (Q4_1)", "one at a time", metrics, wall)
+
+    def ratio(impl: str, policy: str) -> float | None:
+        base = next((r for r in rows if r["impl"] == impl and r["policy"] == policy), None)
+        cont = next((r for r in rows if r["impl"] == "infer" and r["policy"] == "continuous"), None)
+        return cont["output_tok_s"] / base["output_tok_s"] if base and cont else None
+
+    for r in rows:
+        for k in ("ttft_s", "tpot_s", "e2e_s"):
+            for p in ("p50", "p99"):
+                r[f"{k.split('_')[0]}_{p}_ms"] = r[f"{k}_{p}"] * 1e3
+    print(markdown_table(rows, [
+        ("impl", "impl"), ("policy", "policy"), ("output_tok_s", "output tok/s"),
+        ("requests_s", "req/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+        ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
+        ("e2e_p50_ms", "e2e p50 ms"), ("slot_utilization_mean", "slot util")]))
+    for impl, policy in [("infer", "static"), ("hf-transformers", "static"),
+                         ("llama.cpp (Q4_1)", "one at a time")]:
+        if ratio(impl, policy) is not None:
+            print(f"continuous batching: {ratio(impl, policy):.2f}x the output tokens/s of "
+                  f"{impl} ({policy})")
+    plot(rows, timelines, out.replace(".jsonl", ".png"), max_num_seqs)
+    return rows
+
+
+def plot(rows: list[dict], timelines: dict, path: str, max_num_seqs: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for policy, steps in timelines.items():
+        xs, ys = [], []
+        for t0, t1, u in steps:
+            xs += [t0, t1]
+            ys += [100 * u, 100 * u]
+        axes[0].plot(xs, ys, label=f"{policy} batching", lw=1)
+    axes[0].set_xlabel("time since the first arrival (s)")
+    axes[0].set_ylabel(f"slot utilization (% of {max_num_seqs} slots)")
+    axes[0].set_title("slot utilization over time")
+    axes[0].legend()
+    labels = [f"{r['impl']}\n{r['policy']}" for r in rows]
+    axes[1].bar(labels, [r["output_tok_s"] for r in rows], color="tab:blue")
+    axes[1].set_ylabel("output tokens/s")
+    axes[1].set_title("throughput")
+    x = np.arange(len(rows))
+    axes[2].bar(x - 0.2, [r["ttft_s_p50"] for r in rows], 0.4, label="TTFT p50")
+    axes[2].bar(x + 0.2, [r["tpot_s_p50"] * 10 for r in rows], 0.4, label="TPOT p50 × 10")
+    axes[2].set_xticks(x, labels)
+    axes[2].set_ylabel("seconds")
+    axes[2].set_title("latency")
+    axes[2].legend()
+    for ax in axes[1:]:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _load_hf(dtype: str):
+    import torch
+    import transformers
+
+    from infer.checkpoint import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path),
+        dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
+    return model.eval()
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
+    configure_xla_cpu()
+    enable_compilation_cache()
+    run(num_requests=FLAGS.num_requests, rate=FLAGS.rate, prompt_min=FLAGS.prompt_min,
+        prompt_max=FLAGS.prompt_max, output_shape=FLAGS.output_shape,
+        output_scale=FLAGS.output_scale, output_cap=FLAGS.output_cap,
+        max_num_seqs=FLAGS.max_num_seqs, max_prefill_tokens=FLAGS.max_prefill_tokens,
+        max_model_len=FLAGS.max_model_len, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
+        policies=FLAGS.policies, peers=[p for p in FLAGS.peers if p != "none"], seed=FLAGS.seed,
+        out=FLAGS.out)
+
+
+if __name__ == "__main__":
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)

@@ -1,0 +1,202 @@
+"""The device side of the engine: turns a `StepPlan` into fixed-shape arrays, runs the jitted
+step on the paged cache, and returns the sampled tokens.
+
+Shapes are bucketed so that a serving run compiles a fixed set of programs, all during
+`warmup()`: decode rows pad to a power of two up to `max_num_seqs`, prefill chunks to a power of
+two up to `max_prefill_tokens`, and page tables to a power-of-two number of tokens (at least
+`MIN_WINDOW`) up to `max_model_len`. Padding rows have no valid token: their writes are dropped
+and their samples ignored. Sampling parameters and PRNG positions are arrays, never static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infer.buckets import bucket_for
+from infer.kv_cache import AttentionMetadata
+from infer.model import Llama
+from infer.paged_cache import PagedKVCache, copy_pages
+from infer.sampling import SamplingArrays, SamplingParams
+from infer.scheduler import PrefillChunk, SeqState, StepPlan
+from infer.steps import Steps
+
+MIN_WINDOW = 128  # smallest attention window in tokens
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... up to and including hi (hi itself added if not a power)."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    num_pages: int
+    page_size: int = 16
+    kv_format: str = "float32"
+    attention_backend: str = "reference"
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 256
+    max_model_len: int = 2048
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        return powers_of_two(1, self.max_num_seqs)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return powers_of_two(min(16, self.max_prefill_tokens), self.max_prefill_tokens)
+
+    @property
+    def window_buckets(self) -> tuple[int, ...]:
+        """Page-table widths in pages."""
+        g = self.page_size
+        tokens = powers_of_two(min(MIN_WINDOW, self.max_model_len), self.max_model_len)
+        return tuple(dict.fromkeys(-(-t // g) for t in tokens))
+
+
+class Runner:
+    def __init__(self, model: Llama, config: RunnerConfig) -> None:
+        self.config = config
+        self.steps = Steps(model)
+        c = model.config
+        self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
+                                         c.num_kv_heads, c.head_dim, config.kv_format,
+                                         config.attention_backend)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Runs the plan; returns one sampled token per prefill chunk, then per decode row."""
+        if plan.page_copies:
+            src, dst = zip(*plan.page_copies)
+            self.cache = copy_pages(self.cache, list(src), list(dst))
+        if plan.kind == "prefill":
+            return self._prefill(plan.prefill)
+        if plan.kind == "decode":
+            return self._decode(plan.decode)
+        return []
+
+    def _window(self, tokens: int) -> int:
+        return bucket_for(-(-tokens // self.config.page_size), self.config.window_buckets)
+
+    def _inputs(self, tokens: np.ndarray, cached: np.ndarray, q_lens: np.ndarray,
+                tables: np.ndarray, params: Sequence[SamplingParams], steps: np.ndarray) -> tuple:
+        """Device arrays for one step, built on the host: eager jnp arithmetic here would
+        compile small programs of its own for every new shape."""
+        b, t = tokens.shape
+        positions = cached[:, None] + np.arange(t, dtype=np.int32)[None, :]
+        meta = AttentionMetadata(positions=jnp.asarray(positions),
+                                 lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
+                                 page_tables=jnp.asarray(tables))
+        return (jnp.asarray(tokens), meta, SamplingArrays.from_params(params, batch=b),
+                jnp.asarray(steps))
+
+    def _run(self, *host_inputs: np.ndarray | Sequence[SamplingParams]) -> np.ndarray:
+        sampled, _, self.cache = self.steps.prefill_step(self.cache, *self._inputs(*host_inputs))
+        return np.asarray(sampled)
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
+        rows = len(chunks)
+        t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
+        width = self._window(max(c.start + len(c.token_ids) for c in chunks))
+        tokens = np.zeros((rows, t), np.int32)
+        tables = np.zeros((rows, width), np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c.token_ids)] = c.token_ids
+            tables[i, :len(c.seq.pages.pages)] = c.seq.pages.pages
+        cached = np.array([c.start for c in chunks], np.int32)
+        q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
+        steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
+        return self._run(tokens, cached, q_lens, tables, [c.seq.request.params for c in chunks],
+                         steps).tolist()[:rows]
+
+    def _decode(self, seqs: list[SeqState]) -> list[int]:
+        rows = bucket_for(len(seqs), self.config.decode_buckets)
+        width = self._window(max(s.num_computed + 1 for s in seqs))
+        tokens = np.zeros((rows, 1), np.int32)
+        tables = np.zeros((rows, width), np.int32)
+        cached = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        steps = np.zeros(rows, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
+            tables[i, :len(s.pages.pages)] = s.pages.pages
+            cached[i], q_lens[i] = s.num_computed, 1
+            steps[i] = len(s.request.output_ids)
+        return self._run(tokens, cached, q_lens, tables, [s.request.params for s in seqs],
+                         steps).tolist()[:len(seqs)]
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def shapes(self) -> Iterator[tuple[int, int, int]]:
+        """Every (rows, tokens per row, page-table width) a serving run can use."""
+        for width in self.config.window_buckets:
+            for rows in self.config.decode_buckets:
+                yield rows, 1, width
+            for t in self.config.prefill_buckets:
+                yield 1, t, width
+
+    def _dummy(self, rows: int, t: int, width: int) -> tuple:
+        """Inputs of one shape with no valid token: nothing is written, samples are ignored."""
+        zeros = np.zeros(rows, np.int32)
+        return (np.zeros((rows, t), np.int32), zeros, zeros, np.zeros((rows, width), np.int32),
+                [SamplingParams()] * rows, zeros)
+
+    def warmup(self, progress: bool = False, threads: int = 2) -> int:
+        """Compiles every bucket; returns the number of programs.
+
+        With JAX's persistent compilation cache on (`infer.platform.enable_compilation_cache`),
+        the programs are first compiled ahead of time on `threads` threads into that cache;
+        each is then run once, which loads it. Without it, each is compiled as it is run.
+        """
+        shapes = list(self.shapes())
+        if jax.config.jax_compilation_cache_dir and threads > 1:
+            import concurrent.futures
+
+            def compile_one(shape: tuple[int, int, int]) -> None:
+                args = self._inputs(*self._dummy(*shape))
+                self.steps.lower_prefill(self.cache, *args).compile()
+
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(compile_one, shapes))
+        todo = shapes
+        if progress:
+            from tqdm import tqdm
+            todo = tqdm(shapes, desc="compiling buckets", leave=False)
+        for shape in todo:
+            self._run(*self._dummy(*shape))
+        return len(shapes)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.num_bytes
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active, through JAX's monitoring events."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax._src import monitoring
+        monitoring.unregister_event_duration_listener(self._listener)

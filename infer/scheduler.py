@@ -1,0 +1,312 @@
+"""Which requests run at each engine step, and where their tokens go. Host side: plain Python,
+no JAX, testable with a mock runner.
+
+A request moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted). Its KV lives
+in pages from the `PageAllocator`; `num_computed` counts the tokens whose KV is in them.
+
+- Prefill: a running request whose tokens are not all computed gets a chunk of at most
+  `max_prefill_tokens` of them. When a chunk reaches the last token, the step samples the next
+  one. A preempted request comes back through prefill over prompt + output ("recompute"); it
+  then samples exactly the token it would have sampled next, since each request's PRNG stream
+  depends only on its seed and its token index.
+- Decode: every request whose tokens are all computed but the last sampled one feeds that one.
+
+Steps alternate: a prefill step (one chunk: see `Scheduler.schedule`) or a decode step over all
+decode-ready requests; when both kinds of work are pending they take turns, so a long prompt
+never stalls running requests for more than one step. Why alternating rather than mixed steps
+(one forward over a prefill chunk and the decode rows): on this CPU prefill is compute-bound, so
+fusing a 128-token chunk with a 16-row decode saved about 10% of the pair's time (the weight
+read of the decode step), while every (decode batch, chunk) pair of buckets would be its own
+compiled program: the product of the two bucket sets instead of their sum.
+
+Policies:
+- continuous: re-decides the batch every step; a finished request frees its slot and pages at
+  once and a waiting one takes them (iteration-level scheduling, Orca / vLLM).
+- static: admits a batch only when none is running -- when `max_num_seqs` requests wait, or
+  the oldest has waited `static_max_wait_s`, or the caller says no more will come (`drain`) --
+  and admits nothing more until every request of the batch has finished.
+
+Admission is FCFS and by free pages: a waiting request is admitted when a slot is free and its
+first chunk's pages can be had. When pages run out during decode, the most recently admitted
+running request is preempted: its pages are freed and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from typing import Callable, Iterable
+
+from infer.page_allocator import OutOfPages, PageAllocator, SequencePages
+from infer.request import FinishReason, Request
+
+POLICIES = ("continuous", "static")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 256  # tokens of one prefill chunk
+    max_model_len: int = 2048
+    policy: str = "continuous"
+    static_max_wait_s: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class SeqState:
+    """The scheduler's view of one request."""
+
+    request: Request
+    pages: SequencePages
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens of request.all_token_ids whose KV is in the cache
+    admitted_at: int = -1  # admission order, for choosing whom to preempt
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.request.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token lacks KV. (With exactly one missing -- the token just sampled, or
+        the last of a prompt -- a decode step is the same computation as a 1-token prefill.)"""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def decode_ready(self) -> bool:
+        return self.num_computed == self.num_tokens - 1 and not self.request.finished
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    seq: SeqState
+    start: int  # first token of the chunk (all cache slots before it are computed)
+    token_ids: tuple[int, ...]
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the last token, so the step's sampled token is the next output."""
+        return self.start + len(self.token_ids) == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class StepPlan:
+    kind: str  # "prefill", "decode" or "idle"
+    prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    decode: list[SeqState] = dataclasses.field(default_factory=list)
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[SeqState] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for slot-utilization and throughput plots."""
+
+    index: int
+    kind: str
+    start_s: float
+    end_s: float
+    running: int  # requests holding a slot (admitted and unfinished)
+    active: int  # requests that got work this step (decode rows or the prefill chunk)
+    decode_rows: int
+    prefill_tokens: int
+    waiting: int
+    free_pages: int
+    slot_utilization: float  # running / max_num_seqs: a static batch's finished rows idle
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.clock = clock
+        self.waiting: collections.deque[SeqState] = collections.deque()
+        self.running: list[SeqState] = []
+        self.seqs: dict[str, SeqState] = {}
+        self.draining = False  # static policy: no more requests will come
+        self._admissions = 0
+        self._last_kind = "idle"
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> SeqState:
+        if request.request_id in self.seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        need = len(request.prompt_token_ids) + request.params.max_tokens
+        if need > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: {len(request.prompt_token_ids)} "
+                             f"prompt tokens + max_tokens={request.params.max_tokens} = {need} "
+                             f"exceed max_model_len={self.config.max_model_len}")
+        pages_needed = -(-need // self.allocator.page_size)
+        if pages_needed > self.allocator.num_pages:
+            raise ValueError(f"request {request.request_id!r} needs {pages_needed} pages, more "
+                             f"than the whole pool of {self.allocator.num_pages}")
+        seq = SeqState(request=request, pages=self.allocator.new_sequence())
+        self.seqs[request.request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> SeqState | None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status == Status.FINISHED:
+            return None
+        seq.request.abort()
+        self._finish(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans one step; pages for its tokens are reserved (copy-on-write copies listed)."""
+        self._admit()
+        want_prefill = any(s.in_prefill for s in self.running)
+        want_decode = any(s.decode_ready for s in self.running)
+        if want_prefill and (not want_decode or self._last_kind != "prefill"):
+            plan = self._plan_prefill()
+            if plan.prefill:
+                self._last_kind = "prefill"
+                return plan
+        if want_decode:
+            self._last_kind = "decode"
+            return self._plan_decode()
+        if want_prefill:
+            # Every running request is mid-prompt and the pages are gone: give the latest
+            # admitted one's pages to the others, or nothing would ever move again.
+            victim = max(self.running, key=lambda s: s.admitted_at)
+            self._preempt(victim)
+            plan = self.schedule()
+            plan.preempted.insert(0, victim)
+            return plan
+        self._last_kind = "idle"
+        return StepPlan(kind="idle")
+
+    def _admit(self) -> None:
+        if self.config.policy == "static":
+            if self.running or not self.waiting:
+                return
+            oldest_wait = self.clock() - self.waiting[0].request.arrival_s
+            if not (len(self.waiting) >= self.config.max_num_seqs or self.draining
+                    or oldest_wait >= self.config.static_max_wait_s):
+                return
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            first_chunk = min(seq.num_tokens, self.config.max_prefill_tokens)
+            if not self.allocator.can_allocate(seq.pages.pages_needed(first_chunk)):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+
+    def _plan_prefill(self) -> StepPlan:
+        """One chunk of the earliest-admitted request still in prefill (one row per prefill
+        step: on a compute-bound CPU, rows of one chunk each cost the same per token, and one
+        row keeps the compiled shapes few)."""
+        plan = StepPlan(kind="prefill")
+        for seq in sorted((s for s in self.running if s.in_prefill), key=lambda s: s.admitted_at):
+            end = min(seq.num_tokens, seq.num_computed + self.config.max_prefill_tokens)
+            try:
+                self.allocator.reserve(seq.pages, end)
+                plan.page_copies += self.allocator.prepare_write(seq.pages, seq.num_computed, end)
+            except OutOfPages:
+                continue  # decode steps will finish or preempt someone; try the next request
+            ids = seq.request.all_token_ids[seq.num_computed:end]
+            plan.prefill.append(PrefillChunk(seq=seq, start=seq.num_computed, token_ids=tuple(ids)))
+            break
+        return plan
+
+    def _plan_decode(self) -> StepPlan:
+        plan = StepPlan(kind="decode")
+        # Earliest admitted first: when pages run out, the latest admitted is preempted.
+        for seq in sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at):
+            if seq.status != Status.RUNNING:
+                continue  # preempted below while making room for an earlier request
+            while True:
+                try:
+                    self.allocator.reserve(seq.pages, seq.num_computed + 1)
+                    plan.page_copies += self.allocator.prepare_write(
+                        seq.pages, seq.num_computed, seq.num_computed + 1)
+                    plan.decode.append(seq)
+                    break
+                except OutOfPages:
+                    victim = max((s for s in self.running if s is not seq
+                                  and s not in plan.decode), key=lambda s: s.admitted_at,
+                                 default=None)
+                    if victim is None or victim.admitted_at < seq.admitted_at:
+                        victim = seq
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is seq:
+                        break
+        return plan
+
+    def _preempt(self, seq: SeqState) -> None:
+        self.allocator.release(seq.pages)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.request.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    # -- after the device step -----------------------------------------------------------------
+
+    def postprocess(self, plan: StepPlan, sampled: Iterable[int], now: float | None = None
+                    ) -> list[SeqState]:
+        """Advances the planned sequences; `sampled` holds one token per prefill chunk, then
+        one per decode row, in plan order. Returns the sequences that got a token."""
+        now = self.clock() if now is None else now
+        sampled = list(sampled)
+        got_token = []
+        for chunk, token in zip(plan.prefill, sampled):
+            seq = chunk.seq
+            seq.num_computed = chunk.start + len(chunk.token_ids)
+            seq.pages.num_tokens = seq.num_computed
+            if chunk.completes and seq.status == Status.RUNNING:
+                self._append(seq, token, now)
+                got_token.append(seq)
+        for seq, token in zip(plan.decode, sampled[len(plan.prefill):]):
+            seq.num_computed += 1
+            seq.pages.num_tokens = seq.num_computed
+            if seq.status == Status.RUNNING:
+                self._append(seq, token, now)
+                got_token.append(seq)
+        return got_token
+
+    def _append(self, seq: SeqState, token: int, now: float) -> None:
+        if seq.request.append(token, now):
+            self._finish(seq)
+
+    def _finish(self, seq: SeqState) -> None:
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.release(seq.pages)
+        seq.status = Status.FINISHED
+        if seq.request.finish_reason is None:
+            seq.request.finish_reason = FinishReason.ABORT
+
+    def slot_utilization(self) -> float:
+        """Slots whose request still produces tokens, over max_num_seqs. Under the static policy
+        a finished request keeps its slot until the batch ends: that slot counts as idle."""
+        return len(self.running) / self.config.max_num_seqs

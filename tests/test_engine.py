@@ -1,0 +1,168 @@
+"""The serving engine end to end on real weights and on a tiny model: exactness under batching,
+preemption and policies, seeds, streaming callbacks, aborts, bad input, and no compilation
+after warm-up."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.config import get_config
+from infer.engine import Engine, EngineConfig
+from infer.model import Llama
+from infer.request import FinishReason
+from infer.runner import CompileCounter
+from infer.sampling import SamplingParams
+
+TINY = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Llama:
+    return Llama(TINY, jnp.float32, nnx.Rngs(3))
+
+
+def tiny_engine(model: Llama, **overrides) -> Engine:
+    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=64, page_size=4)
+    config.update(overrides)
+    return Engine(model, None, EngineConfig(**config))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, TINY.vocab_size, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def serve(engine: Engine, inputs: list[list[int]], params) -> list[list[int]]:
+    params = params if isinstance(params, list) else [params] * len(inputs)
+    ids = [engine.add_request(prompt_token_ids=p, params=sp) for p, sp in zip(inputs, params)]
+    engine.run_until_done()
+    return [engine.output(i).token_ids for i in ids]
+
+
+def test_greedy_alone_equals_inside_a_batch_of_32_smollm2(smollm2) -> None:
+    """Float32 SmolLM2: a greedy request gives the same tokens alone as among 31 others
+    (different lengths, some sampled), whatever its batch row and the padding around it."""
+    _, model, tokenizer = smollm2
+    from experiments.common import real_text
+    text = tokenizer.encode(real_text(30_000, offset=100_000))
+    rng = np.random.default_rng(1)
+    others = [text[s:s + n] for s, n in zip(rng.integers(0, 5000, 31), rng.integers(5, 60, 31))]
+    probe = tokenizer.encode("The three laws of thermodynamics are")
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=32, max_prefill_tokens=64, max_model_len=128)
+    alone = serve(Engine(model, tokenizer, config), [probe], greedy)[0]
+    mixed = [SamplingParams(max_tokens=int(n), temperature=0.8 if i % 3 else 0.0, seed=i,
+                            ignore_eos=True) for i, n in enumerate(rng.integers(4, 16, 31))]
+    batch = serve(Engine(model, tokenizer, config), others[:17] + [probe] + others[17:],
+                  mixed[:17] + [greedy] + mixed[17:])
+    assert batch[17] == alone
+
+
+def test_same_seed_same_tokens_whatever_the_company(tiny_model) -> None:
+    # The random tiny model's logits span ~100: a high temperature makes the draws really vary.
+    sampled = SamplingParams(temperature=40.0, top_p=0.95, seed=1234, max_tokens=20,
+                             ignore_eos=True)
+    probe = prompts(1, seed=9)[0]
+    a = serve(tiny_engine(tiny_model), [probe], sampled)[0]
+    b = serve(tiny_engine(tiny_model), prompts(5, seed=2) + [probe],
+              [SamplingParams(temperature=0.7, seed=s, max_tokens=9) for s in range(5)] + [sampled])[-1]
+    c = serve(tiny_engine(tiny_model), [probe], SamplingParams(
+        temperature=40.0, top_p=0.95, seed=99, max_tokens=20, ignore_eos=True))[0]
+    assert a == b and a != c
+    assert len(set(a)) > 5  # the draws do vary, so equality above means something
+
+
+def test_policies_and_preemption_do_not_change_outputs(tiny_model) -> None:
+    """Static and continuous batching, and a page pool so small that requests are preempted
+    and recomputed, give the same greedy tokens."""
+    inputs = prompts(10, seed=4)
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in
+              np.random.default_rng(5).integers(5, 30, 10)]
+    reference = serve(tiny_engine(tiny_model), inputs, params)
+    static = serve(tiny_engine(tiny_model, scheduler="static"), inputs, params)
+    small = tiny_engine(tiny_model, num_pages=24)
+    preempted = serve(small, inputs, params)
+    assert sum(small.output(str(i)).metrics.num_preemptions for i in range(10)) > 0
+    assert static == reference and preempted == reference
+
+
+def test_no_compilation_after_warmup(tiny_model) -> None:
+    engine = tiny_engine(tiny_model, max_num_seqs=8)
+    programs = engine.warmup()
+    assert programs == len(engine.runner.config.window_buckets) * (
+        len(engine.runner.config.decode_buckets) + len(engine.runner.config.prefill_buckets))
+    inputs = prompts(12, seed=6, hi=40)
+    params = [SamplingParams(max_tokens=int(n), temperature=float(t), top_k=int(k), seed=i)
+              for i, (n, t, k) in enumerate(zip(np.random.default_rng(7).integers(1, 24, 12),
+                                                [0, 0.5, 1.3] * 4, [0, 5, 0, 40] * 3))]
+    with CompileCounter() as compiles:
+        serve(engine, inputs, params)
+    assert compiles.count == 0
+
+
+def test_compile_counter_sees_compilations(tiny_model) -> None:
+    """The counter the test above relies on does count: an engine not warmed up compiles."""
+    engine = tiny_engine(tiny_model, max_num_seqs=2, max_prefill_tokens=32)
+    with CompileCounter() as compiles:
+        serve(engine, prompts(1, seed=8), SamplingParams(max_tokens=2))
+    assert compiles.count > 0
+
+
+def test_callback_exception_aborts_only_that_request(tiny_model, caplog) -> None:
+    engine = tiny_engine(tiny_model)
+    seen: dict[str, int] = {"good": 0}
+
+    def good(out) -> None:
+        seen["good"] += 1
+
+    def bad(out) -> None:
+        raise RuntimeError("consumer bug")
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = engine.add_request(prompt_token_ids=[5, 6, 7], params=params, callback=good)
+    b = engine.add_request(prompt_token_ids=[8, 9], params=params, callback=bad)
+    engine.run_until_done()
+    assert engine.output(a).finish_reason == FinishReason.LENGTH and seen["good"] == 10
+    assert engine.output(b).finish_reason == FinishReason.ABORT
+    assert "consumer bug" in caplog.text
+    assert engine.allocator.num_free() == engine.allocator.num_pages
+
+
+def test_abort_mid_generation_frees_pages(tiny_model) -> None:
+    engine = tiny_engine(tiny_model)
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=40,
+                                                                       ignore_eos=True))
+           for p in prompts(3, seed=10)]
+    for _ in range(12):
+        engine.step()
+    held = len(engine.scheduler.seqs[ids[1]].pages.pages)
+    free_before = engine.allocator.num_free()
+    out = engine.abort(ids[1])
+    assert out.finish_reason == FinishReason.ABORT and held > 0
+    assert engine.allocator.num_free() == free_before + held
+    engine.run_until_done()
+    assert [engine.output(i).finish_reason for i in (ids[0], ids[2])] == [FinishReason.LENGTH] * 2
+    assert engine.allocator.num_free() == engine.allocator.num_pages
+
+
+def test_bad_requests_rejected_without_disturbing_running_ones(tiny_model) -> None:
+    engine = tiny_engine(tiny_model)
+    ok = engine.add_request(prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="exceed max_model_len=64"):
+        engine.add_request(prompt_token_ids=[1] * 60, params=SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request(prompt_token_ids=[TINY.vocab_size])
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        engine.add_request(prompt_token_ids=[1], params={"temperature": 0.5})
+    with pytest.raises(ValueError, match="temperature must be"):
+        engine.add_request(prompt_token_ids=[1], params=SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="prompt has no tokens"):
+        engine.add_request(prompt_token_ids=[])
+    engine.run_until_done()
+    assert len(engine.scheduler.seqs) == 1
+    assert len(engine.output(ok).token_ids) == 12

@@ -1,0 +1,217 @@
+"""The scheduler against a hand-computable mock runner (no JAX): the mock "model" reads every
+token back through the page tables, so a page mix-up, a lost page or a wrong recompute changes
+the output, which must equal the reference continuation of the true sequence."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from infer.page_allocator import PageAllocator
+from infer.request import FinishReason, Request
+from infer.sampling import SamplingParams
+from infer.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    """The mock model: a deterministic function of the whole sequence, never EOS by itself."""
+    h = 7
+    for t in tokens:
+        h = (h * 31 + t) % 1_000_003
+    return 1 + h % (VOCAB - 1)
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class MockRunner:
+    """Stores token ids in a fake paged KV cache and computes next tokens from what it reads."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.kv = np.full((allocator.num_pages, allocator.page_size), -1, np.int64)
+        self.g = allocator.page_size
+
+    def _write(self, pages: list[int], pos: int, token: int) -> None:
+        self.kv[pages[pos // self.g], pos % self.g] = token
+
+    def _read(self, pages: list[int], n: int) -> list[int]:
+        return [int(self.kv[pages[p // self.g], p % self.g]) for p in range(n)]
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        for src, dst in plan.page_copies:
+            self.kv[dst] = self.kv[src]
+        out = []
+        for chunk in plan.prefill:
+            for i, t in enumerate(chunk.token_ids):
+                self._write(chunk.seq.pages.pages, chunk.start + i, t)
+            out.append(next_token(self._read(chunk.seq.pages.pages,
+                                             chunk.start + len(chunk.token_ids))))
+        for seq in plan.decode:
+            self._write(seq.pages.pages, seq.num_computed, seq.request.last_token_id)
+            out.append(next_token(self._read(seq.pages.pages, seq.num_computed + 1)))
+        return out
+
+
+def make(num_pages: int = 64, page_size: int = 4, **config) -> tuple[Scheduler, MockRunner]:
+    allocator = PageAllocator(num_pages, page_size)
+    clock = iter(range(10**9))
+    sched = Scheduler(SchedulerConfig(**config), allocator, clock=lambda: float(next(clock)))
+    return sched, MockRunner(allocator)
+
+
+def request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, **params) -> Request:
+    rng = random.Random(f"{rid}/{seed}")
+    prompt = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), None,
+                   eos_ids=(EOS,), arrival_s=0.0)
+
+
+def run(sched: Scheduler, runner: MockRunner, max_steps: int = 100_000) -> list[StepPlan]:
+    plans = []
+    sched.draining = True
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sched.postprocess(plan, runner.execute(plan))
+        plans.append(plan)
+        assert len(plans) < max_steps, "no progress"
+    return plans
+
+
+def check_outputs(sched: Scheduler) -> None:
+    for seq in sched.seqs.values():
+        r = seq.request
+        if r.finish_reason == FinishReason.ABORT:
+            continue
+        assert r.output_ids == reference(r.prompt_token_ids, len(r.output_ids)), r.request_id
+        assert len(r.output_ids) == r.params.max_tokens
+
+
+def test_continuous_outputs_equal_reference_and_pages_return() -> None:
+    sched, runner = make(max_num_seqs=4, max_prefill_tokens=8)
+    for i in range(10):
+        sched.add(request(str(i), prompt_len=3 + 5 * i, max_tokens=2 + 3 * (i % 4)))
+    plans = run(sched, runner)
+    check_outputs(sched)
+    assert sched.allocator.num_free() == sched.allocator.num_pages
+    sched.allocator.check_invariants()
+    # chunked prefill: no chunk above the budget, and a 48-token prompt needed several
+    assert max(len(c.token_ids) for p in plans for c in p.prefill) <= 8
+    assert sum(c.seq.request.request_id == "9" for p in plans for c in p.prefill) >= 6
+
+
+def test_prefill_and_decode_alternate_when_both_pending() -> None:
+    sched, runner = make(max_num_seqs=4, max_prefill_tokens=4)
+    sched.add(request("short", 2, 30))
+    sched.add(request("long", 40, 5))
+    plans = run(sched, runner)
+    kinds = [p.kind for p in plans]
+    for a, b in zip(kinds, kinds[1:]):
+        if a == b == "prefill":
+            pytest.fail(f"two prefill steps in a row while a request was decoding: {kinds}")
+    check_outputs(sched)
+
+
+def test_preemption_recomputes_and_keeps_outputs() -> None:
+    """A pool too small for everyone: requests are preempted and recomputed, outputs unchanged."""
+    sched, runner = make(num_pages=12, page_size=4, max_num_seqs=6, max_prefill_tokens=16)
+    for i in range(6):
+        sched.add(request(str(i), prompt_len=6, max_tokens=20))
+    run(sched, runner)
+    assert sum(s.request.num_preemptions for s in sched.seqs.values()) > 0
+    check_outputs(sched)
+    assert sched.allocator.num_free() == 12
+
+
+def test_stop_token_and_max_tokens() -> None:
+    sched, runner = make()
+    prompt = request("a", 5, 50).prompt_token_ids
+    ref = reference(prompt, 50)
+    stop_at = next(i for i in range(3, 50) if ref[i] not in ref[:i])  # its first occurrence
+    r = Request("a", prompt, SamplingParams(max_tokens=50, stop_token_ids=(ref[stop_at],)), None)
+    sched.add(r)
+    run(sched, runner)
+    assert r.output_ids == ref[:stop_at + 1] and r.finish_reason == FinishReason.STOP
+
+
+def test_static_batches_wait_and_hold_their_slots() -> None:
+    sched, runner = make(max_num_seqs=3, policy="static", max_prefill_tokens=16)
+    for i, n in enumerate([2, 10, 3, 4]):
+        sched.add(request(str(i), 4, n))
+    plan = sched.schedule()  # 4 waiting >= 3: the first batch is admitted
+    assert [s.request.request_id for s in sched.running] == ["0", "1", "2"]
+    utilizations, running_ids = [], []
+    sched.postprocess(plan, runner.execute(plan))
+    while sched.running:
+        plan = sched.schedule()
+        running_ids.append({s.request.request_id for s in sched.running})
+        utilizations.append(sched.slot_utilization())
+        sched.postprocess(plan, runner.execute(plan))
+    # request 3 never joined the first batch, and slots emptied as members finished
+    assert all("3" not in ids for ids in running_ids)
+    assert utilizations[0] == 1.0 and utilizations[-1] == pytest.approx(1 / 3)
+    run(sched, runner)
+    check_outputs(sched)
+
+
+def test_static_does_not_start_a_partial_batch_until_drained() -> None:
+    sched, runner = make(max_num_seqs=4, policy="static")
+    sched.add(request("a", 3, 3))
+    assert sched.schedule().kind == "idle" and not sched.running
+    sched.draining = True
+    assert sched.schedule().kind != "idle"
+
+
+def test_abort_frees_pages_and_others_continue() -> None:
+    sched, runner = make(max_num_seqs=4)
+    for i in range(3):
+        sched.add(request(str(i), 10, 30))
+    for _ in range(8):
+        plan = sched.schedule()
+        sched.postprocess(plan, runner.execute(plan))
+    used_before = sched.allocator.num_used()
+    held = len(sched.seqs["1"].pages.pages)
+    assert held > 0
+    sched.abort("1")
+    assert sched.allocator.num_used() == used_before - held
+    assert sched.seqs["1"].request.finish_reason == FinishReason.ABORT
+    run(sched, runner)
+    check_outputs(sched)
+    assert sched.allocator.num_free() == sched.allocator.num_pages
+
+
+def test_over_long_request_rejected_without_side_effects() -> None:
+    sched, _ = make(max_model_len=32)
+    sched.add(request("ok", 10, 5))
+    with pytest.raises(ValueError, match="exceed max_model_len=32"):
+        sched.add(request("big", 30, 5))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add(request("ok", 3, 3))
+    assert [s.request.request_id for s in sched.waiting] == ["ok"]
+
+
+def test_thousand_requests_with_aborts_return_every_page() -> None:
+    rng = random.Random(0)
+    sched, runner = make(num_pages=40, page_size=4, max_num_seqs=8, max_prefill_tokens=8)
+    ids = []
+    for i in range(1000):
+        sched.add(request(str(i), rng.randrange(1, 20), rng.randrange(1, 12)))
+        ids.append(str(i))
+        if rng.random() < 0.5:
+            plan = sched.schedule()
+            sched.postprocess(plan, runner.execute(plan))
+        if rng.random() < 0.2:
+            sched.abort(rng.choice(ids))
+    run(sched, runner)
+    check_outputs(sched)
+    assert sched.allocator.num_free() == 40
+    sched.allocator.check_invariants()
+    assert sum(s.request.finish_reason == FinishReason.ABORT for s in sched.seqs.values()) > 50
