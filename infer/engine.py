@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from infer.model import Llama
 from infer.page_allocator import PageAllocator
+from infer.proposers import NgramProposer, Proposer
 from infer.request import Request, RequestOutput
 from infer.runner import Runner, RunnerConfig
 from infer.sampling import SamplingParams
@@ -27,6 +28,32 @@ from infer.scheduler import Scheduler, SchedulerConfig, StepRecord
 from infer.tokenizer import Tokenizer
 
 Callback = Callable[[RequestOutput], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative={"method": "ngram", "num_tokens": 4})`. Methods: ngram (prompt lookup)."""
+
+    method: str
+    num_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; known: "
+                             f"{SPECULATIVE_METHODS}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"num_tokens must be in [1, 16], got {self.num_tokens}")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    raise ValueError(f"no proposer for {config.method!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +67,7 @@ class EngineConfig:
     scheduler: str = "continuous"
     static_max_wait_s: float = math.inf
     attention_backend: str = "reference"
+    speculative: SpeculativeConfig | None = None
 
 
 class Engine:
@@ -60,14 +88,18 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=max_model_len, policy=config.scheduler,
-            static_max_wait_s=config.static_max_wait_s), self.allocator)
+            static_max_wait_s=config.static_max_wait_s,
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0),
+            self.allocator)
         runner_config = RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
-            max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len)
+            max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len,
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0)
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
-        self.runner = runner or Runner(model, runner_config)
+        proposer = make_proposer(config.speculative) if config.speculative else None
+        self.runner = runner or Runner(model, runner_config, proposer)
         self.records: list[StepRecord] = []
         self._callbacks: dict[str, Callback] = {}
         self._next_id = 0
@@ -143,6 +175,8 @@ class Engine:
         outputs = [seq.request.output() for seq in advanced]
         for out in outputs:
             self._notify(out)
+            if out.finished and self.runner.proposer is not None:
+                self.runner.proposer.forget(out.request_id)
         return outputs
 
     def _notify(self, out: RequestOutput) -> None:

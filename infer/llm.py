@@ -6,7 +6,7 @@ import math
 from typing import Sequence
 
 from infer.config import LlamaConfig
-from infer.engine import Engine, EngineConfig
+from infer.engine import Engine, EngineConfig, SpeculativeConfig
 from infer.loader import load
 from infer.model import Llama
 from infer.request import RequestOutput
@@ -33,14 +33,13 @@ class LLM:
                  num_pages: int | None = None, static_max_wait_s: float = math.inf) -> None:
         if enable_prefix_caching:
             raise NotImplementedError("prefix caching is not built yet")
-        if speculative is not None:
-            raise NotImplementedError("speculative decoding is not built yet")
         self.config, self.model, self.tokenizer = load(model, dtype)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
-            attention_backend=attention_backend))
+            attention_backend=attention_backend,
+            speculative=SpeculativeConfig(**speculative) if speculative else None))
 
     @classmethod
     def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
@@ -49,7 +48,10 @@ class LLM:
         EngineConfig fields."""
         llm = cls.__new__(cls)
         llm.config, llm.model, llm.tokenizer = config, model, tokenizer
-        llm.engine = Engine(model, tokenizer, EngineConfig(**engine))
+        spec = engine.pop("speculative", None)
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig(**spec)
+        llm.engine = Engine(model, tokenizer, EngineConfig(**engine, speculative=spec))
         return llm
 
     def generate(self, prompts: str | Sequence[str] | None = None,

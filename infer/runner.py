@@ -11,7 +11,7 @@ and their samples ignored. Sampling parameters and PRNG positions are arrays, ne
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from infer.model import Llama
 from infer.paged_cache import PagedKVCache, copy_pages
 from infer.sampling import SamplingArrays, SamplingParams
 from infer.scheduler import PrefillChunk, SeqState, StepPlan
+
+if TYPE_CHECKING:
+    from infer.proposers import Proposer
 from infer.steps import Steps
 
 MIN_WINDOW = 128  # smallest attention window in tokens
@@ -46,6 +49,7 @@ class RunnerConfig:
     max_num_seqs: int = 32
     max_prefill_tokens: int = 256
     max_model_len: int = 2048
+    num_speculative_tokens: int = 0
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -64,8 +68,13 @@ class RunnerConfig:
 
 
 class Runner:
-    def __init__(self, model: Llama, config: RunnerConfig) -> None:
+    def __init__(self, model: Llama, config: RunnerConfig,
+                 proposer: "Proposer | None" = None) -> None:
+        if (proposer is None) != (config.num_speculative_tokens == 0):
+            raise ValueError("speculative decoding needs both a proposer and "
+                             "num_speculative_tokens > 0")
         self.config = config
+        self.proposer = proposer
         self.steps = Steps(model)
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
@@ -74,15 +83,18 @@ class Runner:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Runs the plan; returns one sampled token per prefill chunk, then per decode row."""
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """Runs the plan; returns the tokens of each prefill chunk, then of each decode row
+        (one, or with speculative decoding the accepted drafts and the target's token)."""
         if plan.page_copies:
             src, dst = zip(*plan.page_copies)
             self.cache = copy_pages(self.cache, list(src), list(dst))
         if plan.kind == "prefill":
-            return self._prefill(plan.prefill)
+            return [[t] for t in self._prefill(plan.prefill)]
         if plan.kind == "decode":
-            return self._decode(plan.decode)
+            if self.proposer is not None and any(plan.draft_limits):
+                return self._speculate(plan.decode, plan.draft_limits, plan.decode_width)
+            return [[t] for t in self._decode(plan.decode, plan.decode_width)]
         return []
 
     def _window(self, tokens: int) -> int:
@@ -109,39 +121,77 @@ class Runner:
         t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
         width = self._window(max(c.start + len(c.token_ids) for c in chunks))
         tokens = np.zeros((rows, t), np.int32)
-        tables = np.zeros((rows, width), np.int32)
+        tables = self._tables([c.seq for c in chunks], rows, width)
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
-            tables[i, :len(c.seq.pages.pages)] = c.seq.pages.pages
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
         steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
         return self._run(tokens, cached, q_lens, tables, [c.seq.request.params for c in chunks],
                          steps).tolist()[:rows]
 
-    def _decode(self, seqs: list[SeqState]) -> list[int]:
-        rows = bucket_for(len(seqs), self.config.decode_buckets)
+    def _decode(self, seqs: list[SeqState], width: int = 0) -> list[int]:
+        """`width`: rows to compute at least (a static batch computes its finished rows too)."""
+        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
         width = self._window(max(s.num_computed + 1 for s in seqs))
         tokens = np.zeros((rows, 1), np.int32)
-        tables = np.zeros((rows, width), np.int32)
+        tables = self._tables(seqs, rows, width)
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         steps = np.zeros(rows, np.int32)
         for i, s in enumerate(seqs):
             tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
-            tables[i, :len(s.pages.pages)] = s.pages.pages
             cached[i], q_lens[i] = s.num_computed, 1
             steps[i] = len(s.request.output_ids)
         return self._run(tokens, cached, q_lens, tables, [s.request.params for s in seqs],
                          steps).tolist()[:len(seqs)]
 
+    def _speculate(self, seqs: list[SeqState], limits: list[int], width: int) -> list[list[int]]:
+        """Proposals, then one target pass over [last token, drafts] per row and exact
+        verification on device; each row advances by its own accepted length."""
+        k = self.config.num_speculative_tokens
+        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
+        drafts, counts, draft_probs = self.proposer.propose(seqs, limits, rows, k)
+        if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
+            return [[t] for t in self._decode(seqs, width)]
+        tokens = np.zeros((rows, k + 1), np.int32)
+        tokens[:, 1:] = drafts
+        cached = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        steps = np.zeros(rows, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.request.last_token_id
+            cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
+            steps[i] = len(s.request.output_ids)
+        tables = self._tables(seqs, rows, self._window(int((cached + q_lens).max())))
+        params = [s.request.params for s in seqs]
+        tok, meta, sampling, steps = self._inputs(tokens, cached, q_lens, tables, params, steps)
+        accepted, emitted, _, self.cache = self.steps.verify_step(
+            self.cache, tok, meta, jnp.asarray(drafts), jnp.asarray(counts), draft_probs,
+            sampling, steps)
+        accepted, emitted = np.asarray(accepted), np.asarray(emitted)
+        out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
+        self.proposer.commit(seqs, out)
+        return out
+
+    @staticmethod
+    def _tables(seqs: Sequence[SeqState], rows: int, width: int) -> np.ndarray:
+        tables = np.zeros((rows, width), np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.pages.pages)] = s.pages.pages
+        return tables
+
     # -- compilation ----------------------------------------------------------------------------
 
     def shapes(self) -> Iterator[tuple[int, int, int]]:
-        """Every (rows, tokens per row, page-table width) a serving run can use."""
+        """Every (rows, tokens per row, page-table width) a serving run can use; rows of
+        k+1 tokens are speculative verification steps."""
+        k = self.config.num_speculative_tokens
         for width in self.config.window_buckets:
             for rows in self.config.decode_buckets:
                 yield rows, 1, width
+                if k:
+                    yield rows, k + 1, width
             for t in self.config.prefill_buckets:
                 yield 1, t, width
 
@@ -164,7 +214,13 @@ class Runner:
 
             def compile_one(shape: tuple[int, int, int]) -> None:
                 args = self._inputs(*self._dummy(*shape))
-                self.steps.lower_prefill(self.cache, *args).compile()
+                if self._is_verify(*shape):
+                    rows, k = shape[0], self.config.num_speculative_tokens
+                    self.steps.lower_verify(self.cache, args[0], args[1],
+                                            jnp.zeros((rows, k), jnp.int32),
+                                            jnp.zeros(rows, jnp.int32), None, *args[2:]).compile()
+                else:
+                    self.steps.lower_prefill(self.cache, *args).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
                 list(pool.map(compile_one, shapes))
@@ -173,8 +229,23 @@ class Runner:
             from tqdm import tqdm
             todo = tqdm(shapes, desc="compiling buckets", leave=False)
         for shape in todo:
-            self._run(*self._dummy(*shape))
+            self._run_shape(*shape)
         return len(shapes)
+
+    def _is_verify(self, rows: int, t: int, width: int) -> bool:
+        return t > 1 and t == self.config.num_speculative_tokens + 1 and (
+            rows > 1 or t not in self.config.prefill_buckets)
+
+    def _run_shape(self, rows: int, t: int, width: int) -> None:
+        k = self.config.num_speculative_tokens
+        if not self._is_verify(rows, t, width):
+            self._run(*self._dummy(rows, t, width))
+            return
+        tok, meta, sampling, steps = self._inputs(*self._dummy(rows, t, width))
+        zeros = jnp.zeros(rows, jnp.int32)
+        *_, self.cache = self.steps.verify_step(self.cache, tok, meta,
+                                                jnp.zeros((rows, k), jnp.int32), zeros, None,
+                                                sampling, steps)
 
     @property
     def kv_bytes(self) -> int:

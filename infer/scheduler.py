@@ -24,7 +24,8 @@ Policies:
   once and a waiting one takes them (iteration-level scheduling, Orca / vLLM).
 - static: admits a batch only when none is running -- when `max_num_seqs` requests wait, or
   the oldest has waited `static_max_wait_s`, or the caller says no more will come (`drain`) --
-  and admits nothing more until every request of the batch has finished.
+  and admits nothing more until every request of the batch has finished. Its decode steps keep
+  the batch's full width, finished rows included, as a padded batch does (HF `generate`).
 
 Admission is FCFS and by free pages: a waiting request is admitted when a slot is free and its
 first chunk's pages can be had. When pages run out during decode, the most recently admitted
@@ -37,7 +38,7 @@ import collections
 import dataclasses
 import enum
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from infer.page_allocator import OutOfPages, PageAllocator, SequencePages
 from infer.request import FinishReason, Request
@@ -58,6 +59,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "continuous"
     static_max_wait_s: float = float("inf")
+    num_speculative_tokens: int = 0  # drafts a decode row may verify per step
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -111,6 +113,8 @@ class StepPlan:
     decode: list[SeqState] = dataclasses.field(default_factory=list)
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[SeqState] = dataclasses.field(default_factory=list)
+    decode_width: int = 0  # rows the decode batch occupies, padding included (static batches)
+    draft_limits: list[int] = dataclasses.field(default_factory=list)  # per decode row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +144,7 @@ class Scheduler:
         self.running: list[SeqState] = []
         self.seqs: dict[str, SeqState] = {}
         self.draining = False  # static policy: no more requests will come
+        self._batch_width = 0  # static policy: size of the running batch when admitted
         self._admissions = 0
         self._last_kind = "idle"
 
@@ -207,6 +212,7 @@ class Scheduler:
             if not (len(self.waiting) >= self.config.max_num_seqs or self.draining
                     or oldest_wait >= self.config.static_max_wait_s):
                 return
+        self._batch_width = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             first_chunk = min(seq.num_tokens, self.config.max_prefill_tokens)
@@ -217,6 +223,7 @@ class Scheduler:
             seq.admitted_at = self._admissions
             self._admissions += 1
             self.running.append(seq)
+            self._batch_width += 1
 
     def _plan_prefill(self) -> StepPlan:
         """One chunk of the earliest-admitted request still in prefill (one row per prefill
@@ -236,17 +243,21 @@ class Scheduler:
         return plan
 
     def _plan_decode(self) -> StepPlan:
-        plan = StepPlan(kind="decode")
+        static = self.config.policy == "static"
+        plan = StepPlan(kind="decode", decode_width=self._batch_width if static else 0)
         # Earliest admitted first: when pages run out, the latest admitted is preempted.
         for seq in sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at):
             if seq.status != Status.RUNNING:
                 continue  # preempted below while making room for an earlier request
+            drafts = self._draft_limit(seq)
             while True:
                 try:
-                    self.allocator.reserve(seq.pages, seq.num_computed + 1)
+                    end = seq.num_computed + 1 + drafts
+                    self.allocator.reserve(seq.pages, end)
                     plan.page_copies += self.allocator.prepare_write(
-                        seq.pages, seq.num_computed, seq.num_computed + 1)
+                        seq.pages, seq.num_computed, end)
                     plan.decode.append(seq)
+                    plan.draft_limits.append(drafts)
                     break
                 except OutOfPages:
                     victim = max((s for s in self.running if s is not seq
@@ -260,6 +271,13 @@ class Scheduler:
                         break
         return plan
 
+    def _draft_limit(self, seq: SeqState) -> int:
+        """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens) or
+        past max_model_len."""
+        left = seq.request.params.max_tokens - len(seq.request.output_ids) - 1
+        room = self.config.max_model_len - seq.num_computed - 1
+        return max(0, min(self.config.num_speculative_tokens, left, room))
+
     def _preempt(self, seq: SeqState) -> None:
         self.allocator.release(seq.pages)
         seq.num_computed = 0
@@ -270,31 +288,39 @@ class Scheduler:
 
     # -- after the device step -----------------------------------------------------------------
 
-    def postprocess(self, plan: StepPlan, sampled: Iterable[int], now: float | None = None
-                    ) -> list[SeqState]:
-        """Advances the planned sequences; `sampled` holds one token per prefill chunk, then
-        one per decode row, in plan order. Returns the sequences that got a token."""
+    def postprocess(self, plan: StepPlan, emitted: Iterable[Sequence[int]],
+                    now: float | None = None) -> list[SeqState]:
+        """Advances the planned sequences. `emitted` holds, in plan order, the tokens each
+        prefill chunk and then each decode row produced: one token, or with speculative
+        decoding the accepted drafts plus the target's own token. Returns the sequences that
+        got tokens."""
         now = self.clock() if now is None else now
-        sampled = list(sampled)
+        emitted = list(emitted)
         got_token = []
-        for chunk, token in zip(plan.prefill, sampled):
+        for chunk, tokens in zip(plan.prefill, emitted):
             seq = chunk.seq
             seq.num_computed = chunk.start + len(chunk.token_ids)
             seq.pages.num_tokens = seq.num_computed
             if chunk.completes and seq.status == Status.RUNNING:
-                self._append(seq, token, now)
+                self._append(seq, tokens, now)
                 got_token.append(seq)
-        for seq, token in zip(plan.decode, sampled[len(plan.prefill):]):
-            seq.num_computed += 1
+        for seq, tokens in zip(plan.decode, emitted[len(plan.prefill):]):
+            # The step wrote KV for the fed token and every accepted draft: one per emitted
+            # token, the last emitted one (the target's own) not yet in the cache.
+            seq.num_computed += len(tokens)
+            if seq.status != Status.RUNNING:
+                continue
             seq.pages.num_tokens = seq.num_computed
-            if seq.status == Status.RUNNING:
-                self._append(seq, token, now)
-                got_token.append(seq)
+            self.allocator.truncate(seq.pages, seq.num_computed)  # pages of rejected drafts
+            self._append(seq, tokens, now)
+            got_token.append(seq)
         return got_token
 
-    def _append(self, seq: SeqState, token: int, now: float) -> None:
-        if seq.request.append(token, now):
-            self._finish(seq)
+    def _append(self, seq: SeqState, tokens: Sequence[int], now: float) -> None:
+        for token in tokens:
+            if seq.request.append(token, now):
+                self._finish(seq)
+                return
 
     def _finish(self, seq: SeqState) -> None:
         if seq.status == Status.RUNNING:

@@ -17,7 +17,8 @@ from flax import nnx
 
 from infer.kv_cache import AttentionMetadata
 from infer.model import CacheT, Llama
-from infer.sampling import SamplingArrays, sample
+from infer.sampling import SamplingArrays, row_keys, sample, warp_logits
+from infer.speculative import verify_greedy, verify_sampled
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +65,15 @@ class Steps:
         def forward(params, cache, tokens, meta):
             return bind(params)(tokens, cache, meta)
 
+        def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
+                   steps):
+            logits, hidden, cache = bind(params)(tokens, cache, meta)
+            num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
+                                                 sampling, steps)
+            return num_accepted, emitted, hidden, cache
+
         self._forward = jax.jit(forward, donate_argnums=1)
+        self._verify = jax.jit(verify, donate_argnums=1)
         self._prefill = jax.jit(prefill, donate_argnums=1)
         self._decode = jax.jit(decode, donate_argnums=1)
 
@@ -73,6 +82,20 @@ class Steps:
         """Logits [B, T, V] and hidden states [B, T, E] at every new position, and the cache:
         for scoring text (perplexity, KL) and for verifying speculated tokens."""
         return self._forward(self.params, cache, tokens, meta)
+
+    def verify_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                    draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
+                    sampling: SamplingArrays, steps: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+        """One target pass over [last token, drafts] [B, k+1] and exact verification.
+
+        Returns (num_accepted [B], emitted [B, k+1] (accepted drafts, then the target's own
+        token, then -1), hidden states [B, k+1, E], cache). The cache holds valid KV for the
+        first num_accepted + 1 inputs of each row; the rest lies past the row's length and is
+        overwritten later (rollback is not advancing the length). `draft_probs` [B, k, V] are
+        the draft's sampling probabilities, or None for deterministic proposals."""
+        return self._verify(self.params, cache, tokens, meta, draft_tokens, num_draft,
+                            draft_probs, sampling, steps)
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      sampling: SamplingArrays, steps: jax.Array
@@ -89,8 +112,38 @@ class Steps:
         """prefill_step lowered for these shapes, for ahead-of-time compilation."""
         return self._prefill.lower(self.params, cache, tokens, meta, sampling, steps)
 
+    def lower_verify(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                     draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
+                     sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+        """verify_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._verify.lower(self.params, cache, tokens, meta, draft_tokens, num_draft,
+                                  draft_probs, sampling, steps)
+
     def decode_step(self, cache: CacheT, state: DecodeState
                     ) -> tuple[DecodeState, jax.Array, CacheT]:
         """Feeds each row's last token, writes its KV, samples the next.
         Returns (state, logits [B, V], cache)."""
         return self._decode(self.params, cache, state)
+
+
+def verify_chain(logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
+                 draft_probs: jax.Array | None, sampling: SamplingArrays, steps: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Verifies each row with its own rule: greedy rows by argmax, sampled rows by rejection
+    sampling against their sampling distribution (temperature, top-k, top-p applied to the
+    target's logits). Deterministic proposals (draft_probs None) are point masses."""
+    n_greedy, greedy = verify_greedy(logits, draft_tokens, num_draft)
+
+    def sampled(_):
+        b, t, v = logits.shape
+        rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
+        p = jax.nn.softmax(warp_logits(logits.reshape(b * t, v), rows), axis=-1).reshape(b, t, v)
+        q = jax.nn.one_hot(draft_tokens, v, dtype=p.dtype) if draft_probs is None else draft_probs
+        # Keys of their own: the plain sampler draws token `step` with row_keys(seed, step).
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x5EC))(row_keys(sampling.seeds, steps))
+        n, out = verify_sampled(p, q, draft_tokens, num_draft, keys)
+        use = sampling.temperature > 0
+        return jnp.where(use, n, n_greedy), jnp.where(use[:, None], out, greedy)
+
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), sampled,
+                        lambda _: (n_greedy, greedy), None)

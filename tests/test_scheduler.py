@@ -53,11 +53,11 @@ class MockRunner:
         for chunk in plan.prefill:
             for i, t in enumerate(chunk.token_ids):
                 self._write(chunk.seq.pages.pages, chunk.start + i, t)
-            out.append(next_token(self._read(chunk.seq.pages.pages,
-                                             chunk.start + len(chunk.token_ids))))
+            out.append([next_token(self._read(chunk.seq.pages.pages,
+                                              chunk.start + len(chunk.token_ids)))])
         for seq in plan.decode:
             self._write(seq.pages.pages, seq.num_computed, seq.request.last_token_id)
-            out.append(next_token(self._read(seq.pages.pages, seq.num_computed + 1)))
+            out.append([next_token(self._read(seq.pages.pages, seq.num_computed + 1))])
         return out
 
 
