@@ -113,8 +113,9 @@ def _load_hf(dtype: str):
 
 def main(argv: list[str]) -> None:
     del argv
-    from infer.platform import configure_xla_cpu
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
     configure_xla_cpu()
+    enable_compilation_cache()
     run(batch_sizes=[int(b) for b in FLAGS.batch_sizes], dtype=FLAGS.dtype, tokens=FLAGS.tokens,
         prompt_len=FLAGS.prompt_len, repeats=FLAGS.repeats,
         peers=[p for p in FLAGS.peers if p != "none"], out=FLAGS.out)

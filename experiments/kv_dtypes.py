@@ -153,8 +153,9 @@ def plot(quality: list[dict], speed: list[dict], path: str) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    from infer.platform import configure_xla_cpu
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
     configure_xla_cpu()
+    enable_compilation_cache()
     run(formats=FLAGS.formats, eval_tokens=FLAGS.eval_tokens, chunk=FLAGS.chunk,
         batch_sizes=[int(b) for b in FLAGS.batch_sizes], decode_tokens=FLAGS.decode_tokens,
         page_size=FLAGS.page_size, out=FLAGS.out)

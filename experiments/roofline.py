@@ -399,8 +399,9 @@ def plot_roofline(rows: list[dict], summary: dict, path: str) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    from infer.platform import configure_xla_cpu
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
     configure_xla_cpu()
+    enable_compilation_cache()
     run(batch_sizes=[int(b) for b in FLAGS.batch_sizes],
         prefill_lengths=[int(t) for t in FLAGS.prefill_lengths], prefill_batch=FLAGS.prefill_batch,
         context=FLAGS.context, dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, repeats=FLAGS.repeats,

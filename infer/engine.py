@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from infer.model import Llama
 from infer.page_allocator import PageAllocator
+from infer.prefix_cache import PrefixCache
 from infer.proposers import NgramProposer, Proposer
 from infer.request import Request, RequestOutput
 from infer.runner import Runner, RunnerConfig
@@ -68,6 +69,7 @@ class EngineConfig:
     static_max_wait_s: float = math.inf
     attention_backend: str = "reference"
     speculative: SpeculativeConfig | None = None
+    enable_prefix_caching: bool = False
 
 
 class Engine:
@@ -85,12 +87,13 @@ class Engine:
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=kv_format)
         self.allocator = PageAllocator(num_pages, config.page_size)
+        self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=max_model_len, policy=config.scheduler,
             static_max_wait_s=config.static_max_wait_s,
             num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0),
-            self.allocator)
+            self.allocator, prefix_cache=self.prefix_cache)
         runner_config = RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
@@ -203,6 +206,14 @@ class Engine:
         self.scheduler.draining = True
         while self.has_unfinished():
             yield from self.step()
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Hit rates by requests and tokens, prefill tokens saved, evictions ({} when off)."""
+        if self.prefix_cache is None:
+            return {}
+        stats = dict(self.prefix_cache.stats())
+        stats["prefill_tokens_saved"] = stats["hit_tokens"]
+        return stats
 
     def warmup(self, progress: bool = False) -> int:
         """Compiles every shape a run can use; returns the number of programs."""

@@ -24,8 +24,9 @@ flags.DEFINE_bool("ignore_eos", False, "keep generating past the end-of-sequence
 
 def main(argv: list[str]) -> None:
     del argv
-    from infer.platform import configure_xla_cpu
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
     configure_xla_cpu()
+    enable_compilation_cache()
     from infer import LLM, SamplingParams
 
     f = flags.FLAGS

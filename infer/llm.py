@@ -31,14 +31,12 @@ class LLM:
                  attention_backend: str = "reference", speculative: dict | None = None,
                  max_model_len: int = 2048, max_prefill_tokens: int = 256,
                  num_pages: int | None = None, static_max_wait_s: float = math.inf) -> None:
-        if enable_prefix_caching:
-            raise NotImplementedError("prefix caching is not built yet")
         self.config, self.model, self.tokenizer = load(model, dtype)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig(**speculative) if speculative else None))
 
     @classmethod

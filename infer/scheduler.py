@@ -28,8 +28,17 @@ Policies:
   the batch's full width, finished rows included, as a padded batch does (HF `generate`).
 
 Admission is FCFS and by free pages: a waiting request is admitted when a slot is free and its
-first chunk's pages can be had. When pages run out during decode, the most recently admitted
-running request is preempted: its pages are freed and it goes back to the front of the queue.
+first chunk's pages can be had.
+
+With a prefix cache, an admitted request first takes the cached pages of the longest page-aligned
+prefix of its tokens (all but the last, which must be computed for its logits, so no write ever
+lands in a shared page) and starts computing after them; it looks again before each prefill
+chunk, so requests admitted together share what the first of them computes. Its full pages are
+inserted into the cache as they are computed. Cached pages nobody uses are evicted, LRU, when the
+pool runs short.
+
+When pages run out during decode, the most recently admitted running request is preempted: its
+pages are freed and it goes back to the front of the queue.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from infer.page_allocator import OutOfPages, PageAllocator, SequencePages
+from infer.prefix_cache import PrefixCache
 from infer.request import FinishReason, Request
 
 POLICIES = ("continuous", "static")
@@ -136,9 +146,13 @@ class StepRecord:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            allocator.set_reclaimer(prefix_cache.evict)
         self.clock = clock
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []
@@ -215,15 +229,48 @@ class Scheduler:
         self._batch_width = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            first_chunk = min(seq.num_tokens, self.config.max_prefill_tokens)
-            if not self.allocator.can_allocate(seq.pages.pages_needed(first_chunk)):
+            cached = self._cached_prefix(seq)
+            first_chunk = min(seq.num_tokens, len(cached) * self.allocator.page_size
+                              + self.config.max_prefill_tokens)
+            needed = -(-first_chunk // self.allocator.page_size) - len(cached)
+            if needed > self._pages_available():
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self._take_cached(seq, cached)
             seq.status = Status.RUNNING
             seq.admitted_at = self._admissions
             self._admissions += 1
             self.running.append(seq)
             self._batch_width += 1
+
+    def _cached_prefix(self, seq: SeqState) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(seq.request.all_token_ids[:-1])
+
+    def _take_cached(self, seq: SeqState, cached: list[int]) -> None:
+        """Adopts cached pages beyond those the sequence holds: its computation resumes after
+        them. Requests admitted together find nothing at admission; before each of their chunks
+        they look again, and take what the earlier ones have computed meanwhile."""
+        held = len(seq.pages.pages)
+        if len(cached) > held:
+            # Take the references before anything allocates: the reclaimer could otherwise
+            # evict pages just matched.
+            self.allocator.incref(cached[held:])
+            seq.pages.pages.extend(cached[held:])
+            seq.num_computed = seq.pages.num_tokens = len(cached) * self.allocator.page_size
+        seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed)
+
+    def _pages_available(self) -> int:
+        evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
+        return self.allocator.num_free() + evictable
+
+    def _cache_pages(self, seq: SeqState) -> None:
+        """Offers the sequence's computed full pages to the prefix cache."""
+        if self.prefix_cache is not None and seq.num_computed >= self.allocator.page_size:
+            tokens = seq.request.all_token_ids[:seq.num_computed]
+            full_pages = seq.pages.pages[:seq.num_computed // self.allocator.page_size]
+            self.prefix_cache.insert(tokens, full_pages)
 
     def _plan_prefill(self) -> StepPlan:
         """One chunk of the earliest-admitted request still in prefill (one row per prefill
@@ -231,6 +278,10 @@ class Scheduler:
         row keeps the compiled shapes few)."""
         plan = StepPlan(kind="prefill")
         for seq in sorted((s for s in self.running if s.in_prefill), key=lambda s: s.admitted_at):
+            if seq.num_computed == seq.pages.capacity:  # page-aligned, nothing reserved ahead
+                self._take_cached(seq, self._cached_prefix(seq))
+                if not seq.in_prefill:
+                    continue  # the cache held the whole prompt: it decodes next step
             end = min(seq.num_tokens, seq.num_computed + self.config.max_prefill_tokens)
             try:
                 self.allocator.reserve(seq.pages, end)
@@ -279,6 +330,7 @@ class Scheduler:
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
     def _preempt(self, seq: SeqState) -> None:
+        self._cache_pages(seq)  # its recompute may then find them
         self.allocator.release(seq.pages)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -301,17 +353,21 @@ class Scheduler:
             seq = chunk.seq
             seq.num_computed = chunk.start + len(chunk.token_ids)
             seq.pages.num_tokens = seq.num_computed
+            self._cache_pages(seq)
             if chunk.completes and seq.status == Status.RUNNING:
                 self._append(seq, tokens, now)
                 got_token.append(seq)
         for seq, tokens in zip(plan.decode, emitted[len(plan.prefill):]):
             # The step wrote KV for the fed token and every accepted draft: one per emitted
             # token, the last emitted one (the target's own) not yet in the cache.
+            filled_before = seq.num_computed // self.allocator.page_size
             seq.num_computed += len(tokens)
             if seq.status != Status.RUNNING:
                 continue
             seq.pages.num_tokens = seq.num_computed
             self.allocator.truncate(seq.pages, seq.num_computed)  # pages of rejected drafts
+            if seq.num_computed // self.allocator.page_size > filled_before:
+                self._cache_pages(seq)  # a page just filled
             self._append(seq, tokens, now)
             got_token.append(seq)
         return got_token
@@ -325,6 +381,7 @@ class Scheduler:
     def _finish(self, seq: SeqState) -> None:
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
+            self._cache_pages(seq)
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         self.allocator.release(seq.pages)

@@ -166,3 +166,38 @@ def test_bad_requests_rejected_without_disturbing_running_ones(tiny_model) -> No
     engine.run_until_done()
     assert len(engine.scheduler.seqs) == 1
     assert len(engine.output(ok).token_ids) == 12
+
+
+def test_prefix_caching_keeps_greedy_outputs_smollm2(smollm2) -> None:
+    """Float32 SmolLM2, multi-turn chats and requests behind a shared system prompt: greedy
+    outputs with the prefix cache equal those without it, while most prefill is skipped."""
+    _, model, tokenizer = smollm2
+    system = {"role": "system", "content": "You are a terse assistant. Answer in one sentence, "
+              "name concrete facts, and never apologise or repeat the question back."}
+    questions = ["What is a page table?", "Why is decode memory-bound?",
+                 "Name a prime above 90.", "What does RoPE rotate?"]
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def converse(enable: bool) -> tuple[list[list[int]], dict]:
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=4, max_prefill_tokens=64, max_model_len=256, page_size=8,
+            enable_prefix_caching=enable))
+        chats = [[system, {"role": "user", "content": q}] for q in questions]
+        outputs = []
+        for _turn in range(2):  # the second turn extends each first conversation
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in chats]
+            ids = [engine.add_request(prompt_token_ids=p, params=greedy) for p in prompts]
+            engine.run_until_done()
+            for chat, i in zip(chats, ids):
+                out = engine.output(i)
+                outputs.append(out.token_ids)
+                chat += [{"role": "assistant", "content": out.text},
+                         {"role": "user", "content": "And why?"}]
+        engine.allocator.check_invariants()
+        return outputs, engine.prefix_cache_stats()
+
+    plain, no_stats = converse(False)
+    cached, stats = converse(True)
+    assert cached == plain
+    assert no_stats == {}
+    assert stats["hits"] >= 7 and stats["prefill_tokens_saved"] >= 7 * 32

@@ -215,3 +215,60 @@ def test_thousand_requests_with_aborts_return_every_page() -> None:
     assert sched.allocator.num_free() == 40
     sched.allocator.check_invariants()
     assert sum(s.request.finish_reason == FinishReason.ABORT for s in sched.seqs.values()) > 50
+
+
+def test_prefix_cache_reuses_pages_and_keeps_outputs() -> None:
+    """Requests sharing prefixes (system prompts, earlier turns) take cached pages, compute
+    less, and produce the reference outputs; the mock reads every token back through the
+    pages, so a wrong shared page would change them. Evicting everything returns every page."""
+    from infer.prefix_cache import PrefixCache
+    allocator = PageAllocator(48, 4)
+    cache = PrefixCache(allocator)
+    clock = iter(range(10**9))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_prefill_tokens=8), allocator,
+                      clock=lambda: float(next(clock)), prefix_cache=cache)
+    runner = MockRunner(allocator)
+    rng = random.Random(5)
+    system = [rng.randrange(1, VOCAB) for _ in range(21)]
+    computed = 0
+    for i in range(8):
+        user = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 9))]
+        sched.add(Request(f"r{i}", system + user, SamplingParams(max_tokens=6), None, (EOS,)))
+        plans = run(sched, runner)
+        computed += sum(len(c.token_ids) for p in plans for c in p.prefill)
+    # a second turn extends the first request's whole conversation
+    first = sched.seqs["r0"].request
+    turn2 = first.prompt_token_ids + first.output_ids + [3, 4, 5]
+    sched.add(Request("turn2", turn2, SamplingParams(max_tokens=6), None, (EOS,)))
+    run(sched, runner)
+    check_outputs(sched)
+    assert sched.seqs["turn2"].request.num_cached_tokens >= 24  # 21 + 6 tokens -> 6 full pages
+    assert all(sched.seqs[f"r{i}"].request.num_cached_tokens == 20 for i in range(1, 8))
+    assert cache.stats()["hits"] >= 8
+    cache.check_invariants()
+    allocator.check_invariants()
+    cache.evict(allocator.num_pages)
+    assert allocator.num_free() == allocator.num_pages
+
+
+def test_prefix_cache_under_memory_pressure() -> None:
+    """A pool barely big enough: cached pages are evicted to admit work, requests are
+    preempted, outputs stay exact and no page leaks."""
+    from infer.prefix_cache import PrefixCache
+    allocator = PageAllocator(14, 4)
+    cache = PrefixCache(allocator)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_tokens=8), allocator,
+                      prefix_cache=cache)
+    runner = MockRunner(allocator)
+    rng = random.Random(6)
+    shared = [rng.randrange(1, VOCAB) for _ in range(12)]
+    for i in range(30):
+        tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 10))]
+        sched.add(Request(str(i), (shared if i % 2 else []) + tail,
+                          SamplingParams(max_tokens=rng.randrange(1, 12)), None, (EOS,)))
+    run(sched, runner)
+    check_outputs(sched)
+    assert cache.stats()["evicted_pages"] > 0
+    cache.evict(allocator.num_pages)
+    assert allocator.num_free() == 14
+    allocator.check_invariants()

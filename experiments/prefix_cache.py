@@ -1,0 +1,329 @@
+"""Prefix caching: how often the radix-tree prefix cache hits, and what it buys.
+
+  python -m experiments.prefix_cache --parts=alone --alone_max_pages=500
+
+Part 1, `alone` (no model, the lesson's exercise): 1,000 requests, 60% of which start with one of
+5 common prefixes (a system prompt, few-shot examples) and the rest share nothing, run through
+the real PageAllocator and PrefixCache: each request matches its prompt, takes the matched pages,
+"prefills" the rest (allocates pages for it), inserts its full pages and releases its sequence,
+leaving the pages to the cache. A cache capped at 500 pages under LRU eviction is compared with
+an unlimited one; hit rates are by requests (>= 1 page matched) and by prompt tokens.
+Prefix lengths are not page multiples, so a hit reuses the prefix rounded down to whole pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from absl import flags
+
+from infer.page_allocator import PageAllocator
+from infer.prefix_cache import PrefixCache
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("parts", ["alone", "system", "chat"], "parts to run: alone (cache only, no "
+                  "model), system (SmolLM2 behind a shared system prompt), chat (multi-turn)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("system_requests", 64, "requests behind the shared system prompt",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("system_prompt_tokens", 1000, "length of the shared system prompt",
+                     flag_values=FLAGS)
+flags.DEFINE_float("system_rate", 1.0, "arrivals per second (Poisson)", flag_values=FLAGS)
+flags.DEFINE_integer("chat_conversations", 8, "conversations in the multi-turn part",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("chat_turns", 4, "turns per conversation", flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 16, "output tokens per request (parts system and chat)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("alone_requests", 1000, "requests in the run", flag_values=FLAGS)
+flags.DEFINE_float("alone_shared_fraction", 0.6, "fraction of requests starting with a common prefix", flag_values=FLAGS)
+flags.DEFINE_integer("alone_prefixes", 5, "number of distinct common prefixes", flag_values=FLAGS)
+flags.DEFINE_list("alone_prefix_tokens", ["64", "128"], "min,max length of a common prefix (tokens)", flag_values=FLAGS)
+flags.DEFINE_list("alone_suffix_tokens", ["16", "256"], "min,max length of a request's own tokens", flag_values=FLAGS)
+flags.DEFINE_integer("alone_page_size", 16, "tokens per page G", flag_values=FLAGS)
+flags.DEFINE_list("alone_max_pages", ["500"], "LRU cache caps (pages) swept; an unlimited cache always runs too", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/prefix_cache.jsonl", "JSONL output", flag_values=FLAGS)
+
+VOCAB = 49152  # SmolLM2's: random token ids never collide by accident
+
+
+# -- part 1: the cache alone ----------------------------------------------------------------------
+
+def make_workload(*, num_requests: int, shared_fraction: float, num_prefixes: int,
+                  prefix_tokens: tuple[int, int], suffix_tokens: tuple[int, int],
+                  seed: int) -> list[tuple[int | None, list[int]]]:
+    """(prefix index or None, prompt token ids) per request, in arrival order. Exactly
+    round(shared_fraction * num_requests) requests are shared, each with a prefix drawn uniformly;
+    a unique request is random tokens of the same length distribution."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(VOCAB, size=rng.integers(prefix_tokens[0], prefix_tokens[1] + 1))
+                for _ in range(num_prefixes)]
+    shared = np.zeros(num_requests, dtype=bool)
+    shared[rng.permutation(num_requests)[:round(shared_fraction * num_requests)]] = True
+    requests = []
+    for is_shared in shared:
+        suffix = rng.integers(VOCAB, size=rng.integers(suffix_tokens[0], suffix_tokens[1] + 1))
+        if is_shared:
+            k = int(rng.integers(num_prefixes))
+            requests.append((k, np.concatenate([prefixes[k], suffix]).tolist()))
+        else:
+            head = rng.integers(VOCAB, size=rng.integers(prefix_tokens[0], prefix_tokens[1] + 1))
+            requests.append((None, np.concatenate([head, suffix]).tolist()))
+    return requests
+
+
+def simulate(prompts: list[list[int]], *, page_size: int, max_pages: int | None) -> dict:
+    """Run the prompts one after another through a PageAllocator + PrefixCache; returns the
+    cache's stats plus the prompt tokens that had to be computed."""
+    longest = max(-(-len(p) // page_size) for p in prompts)
+    # Capped: room for the cache plus one request, so the cap (not the pool) decides evictions.
+    # Unlimited: room for every page of every request, so nothing is ever evicted.
+    num_pages = (max_pages + longest if max_pages is not None
+                 else sum(-(-len(p) // page_size) for p in prompts))
+    alloc = PageAllocator(num_pages, page_size)
+    cache = PrefixCache(alloc, max_pages=max_pages)
+    alloc.set_reclaimer(cache.evict)
+    computed = peak_used = 0
+    for prompt in prompts:
+        pages = cache.match(prompt)
+        alloc.incref(pages)  # ours now: before reserve, whose reclaimer could evict them
+        seq = alloc.new_sequence()
+        seq.pages, seq.num_tokens = list(pages), len(pages) * page_size
+        alloc.reserve(seq, len(prompt))
+        # A fully cached prompt still computes its last token (for the logits), in a private
+        # copy of the last page: prepare_write does the copy-on-write.
+        start = min(seq.num_tokens, len(prompt) - 1)
+        alloc.prepare_write(seq, start, len(prompt))
+        computed += len(prompt) - start  # "prefill": the device would write these slots
+        seq.num_tokens = len(prompt)
+        cache.insert(prompt, seq.pages)
+        peak_used = max(peak_used, alloc.num_used())
+        alloc.release(seq)
+    cache.check_invariants()
+    alloc.check_invariants()
+    return {**cache.stats(), "prefill_tokens": computed, "pool_pages": num_pages,
+            "peak_used_pages": peak_used}
+
+
+def run_cache_alone(*, num_requests: int, shared_fraction: float, num_prefixes: int,
+                    prefix_tokens: tuple[int, int], suffix_tokens: tuple[int, int],
+                    page_size: int, max_pages: list[int], seed: int) -> list[dict]:
+    """One row per cache: LRU capped at each of `max_pages`, then unlimited."""
+    workload = make_workload(num_requests=num_requests, shared_fraction=shared_fraction,
+                             num_prefixes=num_prefixes, prefix_tokens=prefix_tokens,
+                             suffix_tokens=suffix_tokens, seed=seed)
+    prompts = [p for _, p in workload]
+    config = {"experiment": "prefix_cache", "part": "alone", "requests": num_requests,
+              "shared_fraction": shared_fraction, "num_prefixes": num_prefixes,
+              "prefix_tokens": list(prefix_tokens), "suffix_tokens": list(suffix_tokens),
+              "page_size": page_size, "seed": seed,
+              "shared_requests": sum(k is not None for k, _ in workload),
+              "prompt_tokens": sum(map(len, prompts))}
+    rows = []
+    for cap in [*max_pages, None]:
+        stats = simulate(prompts, page_size=page_size, max_pages=cap)
+        rows.append({**config, "cache": "unlimited" if cap is None else f"lru_{cap}",
+                     "max_pages": cap, **stats})
+    return rows
+
+
+# -- parts 2 and 3: the real model through the engine ---------------------------------------------
+
+
+def _engine(model, tokenizer, caching: bool, max_model_len: int):
+    from infer.engine import Engine, EngineConfig
+    return Engine(model, tokenizer, EngineConfig(
+        max_num_seqs=8, max_prefill_tokens=256, max_model_len=max_model_len,
+        enable_prefix_caching=caching))
+
+
+def run_system_prompt(model, tokenizer, *, num_requests: int, system_tokens: int, rate: float,
+                      max_tokens: int, seed: int) -> list[dict]:
+    """Requests that share one long system prompt (real text), each with its own question,
+    arriving as a Poisson stream, served with the prefix cache on and off."""
+    import numpy as np
+
+    from experiments.common import real_text
+    from experiments.serve import WorkItem, serve_infer
+    from infer.metrics import summarize
+
+    text = tokenizer.encode(real_text(40_000, offset=200_000))
+    system = tokenizer.decode(text[:system_tokens])
+    rng = np.random.default_rng(seed)
+    questions = [tokenizer.decode(text[o:o + n]) for o, n in
+                 zip(rng.integers(system_tokens, len(text) - 64, num_requests),
+                     rng.integers(8, 48, num_requests))]
+    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, num_requests - 1))])
+    work = [WorkItem(float(a), tuple(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]))), max_tokens)
+        for a, q in zip(arrivals, questions)]
+    rows = []
+    for caching in (False, True):
+        engine = _engine(model, tokenizer, caching, 2048)
+        engine.warmup(progress=True)
+        metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
+        rows.append({"experiment": "prefix_cache", "part": "system", "caching": caching,
+                     "system_prompt_tokens": len(work[0].prompt_ids) - 48,
+                     "prefill_tokens_computed": sum(r.prefill_tokens for r in records),
+                     **engine.prefix_cache_stats(), **summarize(metrics, wall, records)})
+    return rows
+
+
+def run_multi_turn(model, tokenizer, *, conversations: int, turns: int, max_tokens: int,
+                   seed: int) -> list[dict]:
+    """Chats where each turn sends the whole conversation so far plus a new question: every
+    turn's prompt extends the previous one's, answer included."""
+    import numpy as np
+
+    from experiments.common import real_text
+    from infer.sampling import SamplingParams
+
+    text = tokenizer.encode(real_text(40_000, offset=250_000))
+    rng = np.random.default_rng(seed)
+    rows = []
+    for caching in (False, True):
+        engine = _engine(model, tokenizer, caching, 2048)
+        engine.warmup(progress=True)
+        chats = [[{"role": "system", "content": "You are a helpful assistant."}]
+                 for _ in range(conversations)]
+        ttft, computed = [], 0
+        for turn in range(turns):
+            ids = []
+            for chat in chats:
+                o, n = rng.integers(0, len(text) - 100), rng.integers(20, 80)
+                chat.append({"role": "user", "content": tokenizer.decode(text[o:o + n])})
+                ids.append(engine.add_request(
+                    prompt=tokenizer.apply_chat_template(chat),
+                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            first = len(engine.records)
+            engine.run_until_done()
+            computed += sum(r.prefill_tokens for r in engine.records[first:])
+            for chat, i in zip(chats, ids):
+                out = engine.output(i)
+                chat.append({"role": "assistant", "content": out.text})
+                ttft.append(out.metrics.ttft_s)
+        rng = np.random.default_rng(seed)  # the same questions for both runs
+        rows.append({"experiment": "prefix_cache", "part": "chat", "caching": caching,
+                     "conversations": conversations, "turns": turns,
+                     "prefill_tokens_computed": computed,
+                     "ttft_s_p50": float(np.percentile(ttft, 50)),
+                     "ttft_s_p99": float(np.percentile(ttft, 99)),
+                     **engine.prefix_cache_stats()})
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    alone = [r for r in rows if r.get("part", "alone") == "alone"]
+    if alone:
+        axes[0].bar([r["cache"] for r in alone], [100 * r["request_hit_rate"] for r in alone])
+        axes[0].axhline(55, ls="--", c="gray", label="lesson's 55% bar")
+        axes[0].set_ylabel("hit rate by requests (%)")
+        axes[0].set_title("cache alone: 1,000 requests, 60% share 5 prefixes")
+        axes[0].legend()
+    for ax, part, title in ((axes[1], "system", "shared ~1,000-token system prompt"),
+                            (axes[2], "chat", "multi-turn chat")):
+        pts = [r for r in rows if r.get("part") == part]
+        if not pts:
+            continue
+        labels = ["cache off", "cache on"]
+        x = range(len(pts))
+        ax.bar([i - 0.2 for i in x], [r["ttft_s_p50"] for r in pts], 0.4, label="TTFT p50 (s)")
+        ax2 = ax.twinx()
+        ax2.bar([i + 0.2 for i in x], [r["prefill_tokens_computed"] / 1000 for r in pts], 0.4,
+                color="tab:orange", label="prefill tokens computed (k)")
+        ax.set_xticks(list(x), labels[:len(pts)])
+        ax.set_ylabel("TTFT p50 (s)")
+        ax2.set_ylabel("prefill tokens computed (thousands)")
+        ax.set_title(title)
+        ax.legend(loc="upper left")
+        ax2.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
+        alone_prefixes: int, alone_prefix_tokens: tuple[int, int],
+        alone_suffix_tokens: tuple[int, int], alone_page_size: int, alone_max_pages: list[int],
+        system_requests: int, system_prompt_tokens: int, system_rate: float,
+        chat_conversations: int, chat_turns: int, max_tokens: int, seed: int,
+        out: str) -> list[dict]:
+    from experiments.common import JsonlWriter, markdown_table
+
+    unknown = set(parts) - {"alone", "system", "chat"}
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}")
+    writer = JsonlWriter(out)
+    rows = []
+    if "alone" in parts:
+        alone = run_cache_alone(
+            num_requests=alone_requests, shared_fraction=alone_shared_fraction,
+            num_prefixes=alone_prefixes, prefix_tokens=alone_prefix_tokens,
+            suffix_tokens=alone_suffix_tokens, page_size=alone_page_size,
+            max_pages=alone_max_pages, seed=seed)
+        for row in alone:
+            writer.write(row)
+        print(f"\npart 1, cache alone: {alone_requests} requests, "
+              f"{alone[0]['shared_requests']} sharing one of {alone_prefixes} prefixes, "
+              f"G={alone_page_size}")
+        print(markdown_table(alone, [
+            ("cache", "cache"), ("request_hit_rate", "hit rate (requests)"),
+            ("token_hit_rate", "hit rate (tokens)"), ("hits", "hits"),
+            ("hit_tokens", "hit tokens"), ("prefill_tokens", "prefill tokens"),
+            ("evicted_pages", "evicted pages"), ("cached_pages", "cached pages")]))
+        rows += alone
+    if {"system", "chat"} & set(parts):
+        from infer.loader import load
+        _, model, tokenizer = load("smollm2-135m")
+        model_rows = []
+        if "system" in parts:
+            model_rows += run_system_prompt(model, tokenizer, num_requests=system_requests,
+                                            system_tokens=system_prompt_tokens, rate=system_rate,
+                                            max_tokens=max_tokens, seed=seed)
+        if "chat" in parts:
+            model_rows += run_multi_turn(model, tokenizer, conversations=chat_conversations,
+                                         turns=chat_turns, max_tokens=max_tokens, seed=seed)
+        for row in model_rows:
+            writer.write(row)
+        for r in model_rows:
+            r["ttft_p50_ms"], r["ttft_p99_ms"] = 1e3 * r["ttft_s_p50"], 1e3 * r["ttft_s_p99"]
+        print("\nparts 2 and 3, SmolLM2 through the engine:")
+        print(markdown_table(model_rows, [
+            ("part", "part"), ("caching", "prefix cache"), ("ttft_p50_ms", "TTFT p50 ms"),
+            ("ttft_p99_ms", "TTFT p99 ms"), ("prefill_tokens_computed", "prefill tokens computed"),
+            ("request_hit_rate", "hit rate (requests)"), ("token_hit_rate", "hit rate (tokens)"),
+            ("evicted_pages", "evictions")]))
+        for part in ("system", "chat"):
+            pair = [r for r in model_rows if r["part"] == part]
+            if len(pair) == 2:
+                print(f"{part}: TTFT p50 {pair[0]['ttft_s_p50'] / pair[1]['ttft_s_p50']:.1f}x "
+                      f"lower with the cache; prefill tokens "
+                      f"{pair[0]['prefill_tokens_computed'] / max(1, pair[1]['prefill_tokens_computed']):.1f}x fewer")
+        rows += model_rows
+    plot(rows, out.replace(".jsonl", ".png"))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
+    configure_xla_cpu()
+    enable_compilation_cache()
+    pair = lambda values: (int(values[0]), int(values[1]))
+    run(parts=FLAGS.parts, alone_requests=FLAGS.alone_requests,
+        alone_shared_fraction=FLAGS.alone_shared_fraction, alone_prefixes=FLAGS.alone_prefixes,
+        alone_prefix_tokens=pair(FLAGS.alone_prefix_tokens),
+        alone_suffix_tokens=pair(FLAGS.alone_suffix_tokens), alone_page_size=FLAGS.alone_page_size,
+        alone_max_pages=[int(m) for m in FLAGS.alone_max_pages],
+        system_requests=FLAGS.system_requests, system_prompt_tokens=FLAGS.system_prompt_tokens,
+        system_rate=FLAGS.system_rate, chat_conversations=FLAGS.chat_conversations,
+        chat_turns=FLAGS.chat_turns, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
+        out=FLAGS.out)
+
+
+if __name__ == "__main__":
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)
