@@ -213,7 +213,7 @@ def measure_point(steps: Any, config: Any, *, batch: int, new_tokens: int, cache
                           kv_dtype)]
 
     def step() -> Any:
-        nxt, _, box[0] = steps.prefill_step(box[0], tokens, meta, sampling, steps_arr)
+        nxt, _, _, box[0] = steps.prefill_step(box[0], tokens, meta, sampling, steps_arr)
         return nxt, box[0]
 
     try:

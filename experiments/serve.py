@@ -1,6 +1,6 @@
 """The main job (`make run`): a serving benchmark on SmolLM2-135M.
 
-  python -m experiments.serve --num_requests=50 --rate=4 [--peers=hf,llamacpp]
+  python -m experiments.serve --num_requests=64 --rate=8 [--peers=hf,llamacpp]
 
 One workload -- Poisson arrivals, prompts of real text (CPython's pydoc topics) with lengths drawn
 uniformly, output lengths Pareto(shape 1.5, scale 20) capped -- is served by infer with static
@@ -25,15 +25,15 @@ import numpy as np
 from absl import flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-flags.DEFINE_integer("num_requests", 50, "requests in the workload", flag_values=FLAGS)
-flags.DEFINE_float("rate", 4.0, "mean arrivals per second (Poisson)", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_min", 32, "shortest prompt, tokens", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_max", 256, "longest prompt, tokens", flag_values=FLAGS)
+flags.DEFINE_integer("num_requests", 64, "requests in the workload", flag_values=FLAGS)
+flags.DEFINE_float("rate", 8.0, "mean arrivals per second (Poisson)", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_min", 16, "shortest prompt, tokens", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_max", 128, "longest prompt, tokens", flag_values=FLAGS)
 flags.DEFINE_float("output_shape", 1.5, "Pareto shape of output lengths", flag_values=FLAGS)
 flags.DEFINE_float("output_scale", 20.0, "Pareto scale (minimum) of output lengths",
                    flag_values=FLAGS)
 flags.DEFINE_integer("output_cap", 256, "longest output, tokens", flag_values=FLAGS)
-flags.DEFINE_integer("max_num_seqs", 32, "batch slots", flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 16, "batch slots", flag_values=FLAGS)
 flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk size", flag_values=FLAGS)
 flags.DEFINE_integer("max_model_len", 512, "longest sequence", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)

@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import Callable, Iterator, Sequence
 
 import jax.numpy as jnp
 
+from infer.draft import load_draft, self_draft
+from infer.drafters import DraftModelProposer, EagleProposer
+from infer.eagle import load_eagle
 from infer.model import Llama
 from infer.page_allocator import PageAllocator
 from infer.prefix_cache import PrefixCache
@@ -31,14 +35,26 @@ from infer.tokenizer import Tokenizer
 Callback = Callable[[RequestOutput], None]
 
 
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
+SPECULATIVE_METHODS = ("ngram", "draft", "self_draft", "eagle")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """`LLM(speculative={"method": "ngram", "num_tokens": 4})`. Methods: ngram (prompt lookup)."""
+    """`LLM(speculative={"method": "eagle", "num_tokens": 4})`.
+
+    Methods: `ngram` (prompt lookup over the request's own tokens), `draft` (a small Llama
+    distilled from the target, `experiments.train_draft`), `self_draft` (the target's first
+    `self_draft_layers` layers with its norm and head, untrained), `eagle` (an EAGLE head over
+    the target's features, `experiments.train_eagle`)."""
 
     method: str
     num_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    draft_path: str = os.path.join(WEIGHTS_DIR, "draft_smollm2.safetensors")
+    eagle_path: str = os.path.join(WEIGHTS_DIR, "eagle_smollm2.safetensors")
+    self_draft_layers: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -46,14 +62,23 @@ class SpeculativeConfig:
                              f"{SPECULATIVE_METHODS}")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"num_tokens must be in [1, 16], got {self.num_tokens}")
+        path = {"draft": self.draft_path, "eagle": self.eagle_path}.get(self.method)
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"speculative method {self.method!r} needs its weights at "
+                                    f"{path!r}; train them with experiments.train_"
+                                    f"{self.method} or pass {self.method}_path")
 
 
-SPECULATIVE_METHODS = ("ngram",)
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, model: Llama, runner_config: RunnerConfig
+                  ) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
+    if config.method == "draft":
+        return DraftModelProposer(load_draft(model, config.draft_path), runner_config)
+    if config.method == "self_draft":
+        return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config)
+    if config.method == "eagle":
+        return EagleProposer(load_eagle(model.config, config.eagle_path), model, runner_config)
     raise ValueError(f"no proposer for {config.method!r}")
 
 
@@ -101,7 +126,9 @@ class Engine:
             num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0)
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
-        proposer = make_proposer(config.speculative) if config.speculative else None
+        proposer = None
+        if config.speculative and runner is None:
+            proposer = make_proposer(config.speculative, model, runner_config)
         self.runner = runner or Runner(model, runner_config, proposer)
         self.records: list[StepRecord] = []
         self._callbacks: dict[str, Callback] = {}
@@ -206,6 +233,13 @@ class Engine:
         self.scheduler.draining = True
         while self.has_unfinished():
             yield from self.step()
+
+    def speculative_stats(self) -> dict[str, float]:
+        """Verify steps, drafts proposed and accepted, acceptance rate and tokens emitted per
+        verifying row since the engine (or its runner) was made; {} without speculation."""
+        if self.runner.proposer is None:
+            return {}
+        return self.runner.spec_stats.summary()
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Hit rates by requests and tokens, prefill tokens saved, evictions ({} when off)."""

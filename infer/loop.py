@@ -92,7 +92,7 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     arrays = SamplingArrays.from_params(sampling)
     steps = jnp.zeros(batch, jnp.int32)
     meta = AttentionMetadata.for_prefill(lengths, prompt_len, page_tables=tables_for(prompt_len))
-    first, _, cache = steps_fn.prefill_step(cache, jnp.asarray(tokens), meta, arrays, steps)
+    first, _, _, cache = steps_fn.prefill_step(cache, jnp.asarray(tokens), meta, arrays, steps)
     state = DecodeState(tokens=first, lengths=jnp.asarray(lengths), steps=steps + 1,
                         sampling=arrays, page_tables=meta.page_tables)
     window, longest = prompt_len, int(lengths.max())

@@ -67,6 +67,30 @@ class RunnerConfig:
         return tuple(dict.fromkeys(-(-t // g) for t in tokens))
 
 
+@dataclasses.dataclass
+class SpeculationStats:
+    """Counts over the verify steps of a run (rows that proposed at least one draft)."""
+
+    verify_steps: int = 0  # device passes that verified drafts
+    rows: int = 0  # row verifications: one request in one verify step
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+
+    def record(self, counts: np.ndarray, accepted: np.ndarray) -> None:
+        used = counts > 0
+        self.verify_steps += 1
+        self.rows += int(used.sum())
+        self.proposed += int(counts.sum())
+        self.accepted += int(accepted[used].sum())
+
+    def summary(self) -> dict[str, float]:
+        """acceptance_rate = accepted / proposed; tokens_per_verify = tokens each verifying row
+        emitted on average (its accepted drafts and the target's own token)."""
+        return {**dataclasses.asdict(self),
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "tokens_per_verify": (self.accepted + self.rows) / self.rows if self.rows else 0.0}
+
+
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
                  proposer: "Proposer | None" = None) -> None:
@@ -75,6 +99,7 @@ class Runner:
                              "num_speculative_tokens > 0")
         self.config = config
         self.proposer = proposer
+        self.spec_stats = SpeculationStats()
         self.steps = Steps(model)
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
@@ -94,7 +119,7 @@ class Runner:
         if plan.kind == "decode":
             if self.proposer is not None and any(plan.draft_limits):
                 return self._speculate(plan.decode, plan.draft_limits, plan.decode_width)
-            return [[t] for t in self._decode(plan.decode, plan.decode_width)]
+            return self._decode(plan.decode, plan.decode_width)
         return []
 
     def _window(self, tokens: int) -> int:
@@ -112,9 +137,12 @@ class Runner:
         return (jnp.asarray(tokens), meta, SamplingArrays.from_params(params, batch=b),
                 jnp.asarray(steps))
 
-    def _run(self, *host_inputs: np.ndarray | Sequence[SamplingParams]) -> np.ndarray:
-        sampled, _, self.cache = self.steps.prefill_step(self.cache, *self._inputs(*host_inputs))
-        return np.asarray(sampled)
+    def _run(self, *host_inputs: np.ndarray | Sequence[SamplingParams]
+             ) -> tuple[list[int], jax.Array]:
+        """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
+        sampled, _, hidden, self.cache = self.steps.prefill_step(self.cache,
+                                                                 *self._inputs(*host_inputs))
+        return np.asarray(sampled).tolist(), hidden
 
     def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
         rows = len(chunks)
@@ -127,10 +155,13 @@ class Runner:
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
         steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
-        return self._run(tokens, cached, q_lens, tables, [c.seq.request.params for c in chunks],
-                         steps).tolist()[:rows]
+        sampled, hidden = self._run(tokens, cached, q_lens, tables,
+                                    [c.seq.request.params for c in chunks], steps)
+        if self.proposer is not None:
+            self.proposer.observe_prefill(chunks, hidden)
+        return sampled[:rows]
 
-    def _decode(self, seqs: list[SeqState], width: int = 0) -> list[int]:
+    def _decode(self, seqs: list[SeqState], width: int = 0) -> list[list[int]]:
         """`width`: rows to compute at least (a static batch computes its finished rows too)."""
         rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
         width = self._window(max(s.num_computed + 1 for s in seqs))
@@ -143,8 +174,12 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
             cached[i], q_lens[i] = s.num_computed, 1
             steps[i] = len(s.request.output_ids)
-        return self._run(tokens, cached, q_lens, tables, [s.request.params for s in seqs],
-                         steps).tolist()[:len(seqs)]
+        sampled, hidden = self._run(tokens, cached, q_lens, tables,
+                                    [s.request.params for s in seqs], steps)
+        out = [[t] for t in sampled[:len(seqs)]]
+        if self.proposer is not None:
+            self.proposer.commit(seqs, out, hidden)
+        return out
 
     def _speculate(self, seqs: list[SeqState], limits: list[int], width: int) -> list[list[int]]:
         """Proposals, then one target pass over [last token, drafts] per row and exact
@@ -153,7 +188,7 @@ class Runner:
         rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
         drafts, counts, draft_probs = self.proposer.propose(seqs, limits, rows, k)
         if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
-            return [[t] for t in self._decode(seqs, width)]
+            return self._decode(seqs, width)
         tokens = np.zeros((rows, k + 1), np.int32)
         tokens[:, 1:] = drafts
         cached = np.zeros(rows, np.int32)
@@ -166,12 +201,13 @@ class Runner:
         tables = self._tables(seqs, rows, self._window(int((cached + q_lens).max())))
         params = [s.request.params for s in seqs]
         tok, meta, sampling, steps = self._inputs(tokens, cached, q_lens, tables, params, steps)
-        accepted, emitted, _, self.cache = self.steps.verify_step(
+        accepted, emitted, hidden, self.cache = self.steps.verify_step(
             self.cache, tok, meta, jnp.asarray(drafts), jnp.asarray(counts), draft_probs,
             sampling, steps)
         accepted, emitted = np.asarray(accepted), np.asarray(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
-        self.proposer.commit(seqs, out)
+        self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
+        self.proposer.commit(seqs, out, hidden)
         return out
 
     @staticmethod
@@ -230,7 +266,7 @@ class Runner:
             todo = tqdm(shapes, desc="compiling buckets", leave=False)
         for shape in todo:
             self._run_shape(*shape)
-        return len(shapes)
+        return len(shapes) + (self.proposer.warmup() if self.proposer is not None else 0)
 
     def _is_verify(self, rows: int, t: int, width: int) -> bool:
         return t > 1 and t == self.config.num_speculative_tokens + 1 and (
@@ -243,9 +279,14 @@ class Runner:
             return
         tok, meta, sampling, steps = self._inputs(*self._dummy(rows, t, width))
         zeros = jnp.zeros(rows, jnp.int32)
-        *_, self.cache = self.steps.verify_step(self.cache, tok, meta,
-                                                jnp.zeros((rows, k), jnp.int32), zeros, None,
-                                                sampling, steps)
+        # Deterministic drafts come without probabilities; sampled ones with them: two programs.
+        probs = [None]
+        if self.proposer.samples_drafts:
+            probs.append(jnp.zeros((rows, k, self.steps.config.vocab_size), jnp.float32))
+        for draft_probs in probs:
+            *_, self.cache = self.steps.verify_step(self.cache, tok, meta,
+                                                    jnp.zeros((rows, k), jnp.int32), zeros,
+                                                    draft_probs, sampling, steps)
 
     @property
     def kv_bytes(self) -> int:

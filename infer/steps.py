@@ -48,9 +48,9 @@ class Steps:
         def prefill(params, cache, tokens, meta, sampling, steps):
             model = bind(params)
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
-            logits, _, cache = model(tokens, cache, meta, logit_index=last)
+            logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
             logits = logits[:, 0]
-            return sample(logits, sampling, steps), logits, cache
+            return sample(logits, sampling, steps), logits, hidden, cache
 
         def decode(params, cache, state):
             model = bind(params)
@@ -99,11 +99,12 @@ class Steps:
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      sampling: SamplingArrays, steps: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, CacheT]:
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
         """Runs rows of new tokens [B, T] (padded past meta.q_lens) through the model, writing
         their KV, and samples one token after each row's last valid token.
 
-        Returns (next tokens [B], logits at each row's last valid token [B, V], cache).
+        Returns (next tokens [B], logits at each row's last valid token [B, V], final hidden
+        states at every position [B, T, E] (an EAGLE head's features), cache).
         """
         return self._prefill(self.params, cache, tokens, meta, sampling, steps)
 

@@ -1,0 +1,157 @@
+"""Speculative decoding inside the engine: every proposer (n-gram, draft model, self-draft,
+EAGLE head) leaves greedy outputs exactly those of plain decoding, on SmolLM2 and on a tiny
+model under preemption; rejected drafts roll back (the cache holds what plain decoding would
+have written, and no page past the accepted length stays taken)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.config import get_config
+from infer.draft import draft_config, save_draft
+from infer.eagle import EagleHead, save_eagle
+from infer.engine import WEIGHTS_DIR, Engine, EngineConfig, SpeculativeConfig
+from infer.kv_cache import AttentionMetadata, KVCache
+from infer.model import Llama
+from infer.sampling import SamplingParams
+
+TINY = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Llama:
+    return Llama(TINY, jnp.float32, nnx.Rngs(3))
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory) -> dict[str, str]:
+    """A random draft and a random EAGLE head for the tiny model: exactness must not depend
+    on how good the proposals are."""
+    root = tmp_path_factory.mktemp("tiny_weights")
+    paths = {"draft": str(root / "draft.safetensors"), "eagle": str(root / "eagle.safetensors")}
+    save_draft(Llama(draft_config(TINY, 1), jnp.float32, nnx.Rngs(6)), paths["draft"])
+    save_eagle(EagleHead(TINY, jnp.float32, nnx.Rngs(5)), paths["eagle"])
+    return paths
+
+
+def serve(model, tokenizer, prompts, spec, params, **overrides):
+    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
+                  speculative=spec)
+    config.update(overrides)
+    engine = Engine(model, tokenizer, EngineConfig(**config))
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+    engine.run_until_done()
+    engine.allocator.check_invariants()
+    assert engine.allocator.num_free() == engine.allocator.num_pages
+    return [engine.output(i).token_ids for i in ids], engine.speculative_stats()
+
+
+def tiny_specs(paths: dict[str, str]) -> list[SpeculativeConfig]:
+    return [SpeculativeConfig("ngram", 3),
+            SpeculativeConfig("self_draft", 4, self_draft_layers=1),
+            SpeculativeConfig("draft", 2, draft_path=paths["draft"]),
+            SpeculativeConfig("eagle", 3, eagle_path=paths["eagle"])]
+
+
+@pytest.mark.parametrize("num_pages", [None, 14])  # 14: requests get preempted
+def test_every_proposer_keeps_greedy_outputs_tiny(tiny_model, tiny_weights, num_pages) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, TINY.vocab_size, rng.integers(3, 30)).tolist() for _ in range(6)]
+    prompts += [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]  # repetitive: n-gram lookup proposes
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain, _ = serve(tiny_model, None, prompts, None, greedy, num_pages=num_pages)
+    for spec in tiny_specs(tiny_weights):
+        out, stats = serve(tiny_model, None, prompts, spec, greedy, num_pages=num_pages)
+        assert out == plain, spec.method
+        assert stats["proposed"] > 0, spec.method
+
+
+def test_sampled_requests_run_with_every_proposer(tiny_model, tiny_weights) -> None:
+    """Sampled drafts carry their probabilities to the verifier: the same seed gives the same
+    tokens twice, and each proposer's run is reproducible."""
+    prompts = [[5, 6, 7, 8] * 4, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
+    for spec in tiny_specs(tiny_weights):
+        first, _ = serve(tiny_model, None, prompts, spec, params)
+        second, _ = serve(tiny_model, None, prompts, spec, params)
+        assert first == second, spec.method
+        assert all(len(o) == 16 and max(o) < TINY.vocab_size for o in first)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weights,
+                                                           method) -> None:
+    """After every step, each running request holds exactly the pages its accepted tokens need,
+    and the KV in them equals a plain forward over those tokens. (The random EAGLE head's
+    drafts are mostly rejected; on this tiny model the random draft's are mostly accepted.)"""
+    spec = SpeculativeConfig(method, 4, draft_path=tiny_weights["draft"],
+                             eagle_path=tiny_weights["eagle"])
+    engine = Engine(tiny_model, None, EngineConfig(
+        max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4, speculative=spec))
+    for p, temperature in (([7, 3, 9, 1, 2] * 3, 0.0), ([4, 4, 8, 1] * 2, 1.5)):
+        engine.add_request(prompt_token_ids=p, params=SamplingParams(
+            max_tokens=24, temperature=temperature, seed=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            n = seq.num_computed
+            assert len(seq.pages.pages) == math.ceil(n / 4)
+            if n == 0:
+                continue
+            tokens = seq.request.all_token_ids[:n]
+            cache = KVCache.create(TINY.num_layers, 1, n, TINY.num_kv_heads, TINY.head_dim)
+            _, _, cache = tiny_model(jnp.asarray([tokens]), cache,
+                                     AttentionMetadata.for_prefill(jnp.asarray([n]), n))
+            slots = np.array([seq.pages.slot(t) for t in range(n)])
+            for layer in range(TINY.num_layers):
+                pool = np.asarray(engine.runner.cache.k[layer])  # [P, G, K, D]
+                paged = pool.reshape(-1, *pool.shape[2:])[slots]  # [n, K, D]
+                want = np.asarray(cache.k[layer])[0].transpose(1, 0, 2)  # [K, n, D] -> [n, K, D]
+                np.testing.assert_allclose(paged, want, atol=1e-5)
+    stats = engine.speculative_stats()
+    if method == "eagle":
+        assert stats["accepted"] < stats["proposed"] / 2  # rejections rolled back
+    else:
+        assert stats["accepted"] > 0  # accepted drafts' KV kept
+
+
+@pytest.fixture(scope="module")
+def smollm2_specs() -> list[SpeculativeConfig]:
+    return [SpeculativeConfig("ngram", 4), SpeculativeConfig("self_draft", 3,
+                                                             self_draft_layers=4)]
+
+
+def test_every_proposer_keeps_greedy_outputs_smollm2(smollm2, smollm2_specs) -> None:
+    """Float32 SmolLM2, a batch of two prompts (one input-grounded, one chat): each proposer's
+    greedy output equals plain greedy decoding token for token."""
+    _, model, tokenizer = smollm2
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is gravity?"}])
+    text = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, "
+            "and the lazy dog sleeps on.")
+    prompts = [tokenizer.encode(text), tokenizer.encode(chat)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    overrides = dict(max_num_seqs=2, max_prefill_tokens=32, max_model_len=128, page_size=16)
+    plain, _ = serve(model, tokenizer, prompts, None, greedy, **overrides)
+    for spec in smollm2_specs:
+        out, stats = serve(model, tokenizer, prompts, spec, greedy, **overrides)
+        assert out == plain, spec.method
+        assert stats["accepted"] > 0, spec.method
+
+
+def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2) -> None:
+    """A self-draft with all of the target's layers is the target: if its cache bookkeeping
+    (catch-up, rollback, positions) is right, greedy drafts are all accepted."""
+    config, model, tokenizer = smollm2
+    prompts = [tokenizer.encode("The history of the printing press begins"),
+               tokenizer.encode("def fibonacci(n):")]
+    spec = SpeculativeConfig("self_draft", 3, self_draft_layers=config.num_layers)
+    _, stats = serve(model, tokenizer, prompts, spec, SamplingParams(max_tokens=20,
+                                                                     ignore_eos=True),
+                     max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=8)
+    assert stats["acceptance_rate"] >= 0.98, stats
