@@ -122,7 +122,7 @@ class _ModelProposer:
         active = [i for i, limit in enumerate(limits) if limit > 0]
         for i in active:
             self._catch_up_long(seqs[i])
-        width = self._window(max(s.num_computed + k + 1 for s in seqs))
+        width = self._window(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
         inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width)
         limits_arr = np.zeros(rows, np.int32)
         limits_arr[:len(limits)] = limits
@@ -184,7 +184,7 @@ class _ModelProposer:
         while track.valid < last:
             end = min(last, track.valid + self.config.max_prefill_tokens)
             t = bucket_for(end - track.valid, self.config.prefill_buckets)
-            width = self._window(end)
+            width = self._window(max(end, seq.pages.capacity))
             cached = np.array([track.valid], np.int32)
             q_lens = np.array([end - track.valid], np.int32)
             meta = AttentionMetadata(

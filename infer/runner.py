@@ -164,7 +164,8 @@ class Runner:
     def _decode(self, seqs: list[SeqState], width: int = 0) -> list[list[int]]:
         """`width`: rows to compute at least (a static batch computes its finished rows too)."""
         rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
-        width = self._window(max(s.num_computed + 1 for s in seqs))
+        # Pages reserved for drafts that were then not proposed count too: the table holds them.
+        width = self._window(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
         tokens = np.zeros((rows, 1), np.int32)
         tables = self._tables(seqs, rows, width)
         cached = np.zeros(rows, np.int32)
@@ -198,7 +199,8 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
             steps[i] = len(s.request.output_ids)
-        tables = self._tables(seqs, rows, self._window(int((cached + q_lens).max())))
+        tables = self._tables(seqs, rows, self._window(
+            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs))))
         params = [s.request.params for s in seqs]
         tok, meta, sampling, steps = self._inputs(tokens, cached, q_lens, tables, params, steps)
         accepted, emitted, hidden, self.cache = self.steps.verify_step(

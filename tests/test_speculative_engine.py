@@ -165,3 +165,16 @@ def test_weights_shipped() -> None:
     """The defaults of SpeculativeConfig point at weights committed in the repository."""
     for name in ("draft_smollm2.safetensors", "eagle_smollm2.safetensors"):
         assert os.path.isfile(os.path.join(WEIGHTS_DIR, name)), name
+
+
+def test_drafts_reserved_then_not_proposed_cross_a_window(tiny_model) -> None:
+    """The scheduler reserves pages for k drafts before the proposer runs; when n-gram lookup
+    then proposes nothing, the plain decode step's page table must still hold those pages (a
+    sequence just under a window boundary used to crash here)."""
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(1, TINY.vocab_size, 120).tolist()  # random: lookup rarely matches
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain, _ = serve(tiny_model, None, [prompt], None, params, max_model_len=256)
+    out, _ = serve(tiny_model, None, [prompt], SpeculativeConfig("ngram", 8, ngram_min=3),
+                   params, max_model_len=256)
+    assert out == plain

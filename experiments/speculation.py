@@ -1,0 +1,737 @@
+"""Speculative decoding on SmolLM2: what each proposer's acceptance buys, against the lesson's
+cost model.
+
+  python -m experiments.speculation                     # the full sweep (see below)
+  python -m experiments.speculation --quick             # a smoke run (~3 min)
+  python -m experiments.speculation --methods=ngram --ks=2,4 --batch_sizes=1
+
+Cost on 2 shared CPU cores (load ~5), first run: batch 1 with ngram + self_draft, all ks and
+both temperatures, ~9 min; each method adds ~4-5 min per batch size, so the full default sweep
+(4 methods x 2 batch sizes + the tree part, ~4 min) is ~35-40 min there. Programs persist in
+JAX's compilation cache, so later runs compile less.
+
+Part `engine`: method x k (drafts per step) x temperature x batch, each through the serving
+engine (`LLM.from_loaded(..., speculative={"method": m, "num_tokens": k})`) against the same
+engine without speculation, on the same prompts in the same run. n-gram lookup gets
+input-grounded prompts (summarize / rewrite / repeat with edits a held-out snippet: text it can
+copy); the model drafts (draft, self_draft, eagle) get chat prompts. Snippets come from
+`real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
+file is missing is skipped with a note.
+
+Part `tree`: `infer.tree_speculation.eagle_generate` at batch 1, the EAGLE head expanded as a
+tree (2 x 3: 14 candidates) or as a chain of the same depth, against plain decoding over the
+same contiguous cache.
+
+Measured per row: decode tokens/s (tokens after each request's first, over the time of the
+engine's decode steps; prefill steps are not counted), speedup over the baseline, acceptance
+rate (accepted / proposed drafts), tokens emitted per verify step (accepted + the target's own),
+and the draft/target cost ratio c (proposer time per drafted token over a baseline decode step)
+and verify ratio v (a verify step's own time over a baseline decode step). Beside each row, the
+lesson's cost model: with per-token acceptance alpha and k drafts a verify step emits
+E = (1 - alpha^(k+1)) / (1 - alpha) tokens on average and costs k c + v baseline steps, so
+
+    predicted speedup = E / (k c + v)         (Leviathan et al. take v = 1)
+
+evaluated at alpha = the measured acceptance rate, and (`pred_mle` columns) at the per-position
+acceptance alpha_mle = accepted / (drafts the verifier looked at: accepted + first rejections),
+which is what the formula's alpha means; the acceptance rate (accepted / proposed) understates
+it, since drafts after a rejection count as proposed but are never judged.
+
+Output: results/speculation.jsonl, Markdown tables on stdout, results/speculation.png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+from absl import flags
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
+                  "engine), tree (eagle_generate tree vs chain at batch 1)", flag_values=FLAGS)
+flags.DEFINE_list("methods", ["ngram", "draft", "self_draft", "eagle"], "speculative methods",
+                  flag_values=FLAGS)
+flags.DEFINE_list("ks", ["1", "2", "4", "8"], "drafts per step", flag_values=FLAGS)
+flags.DEFINE_list("temperatures", ["0", "0.7"], "sampling temperatures", flag_values=FLAGS)
+flags.DEFINE_list("batch_sizes", ["1", "8"], "engine batch sizes (max_num_seqs)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("num_prompts", 3, "prompts per run, at least one per batch slot (batch 1 "
+                     "runs them one by one)", flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 32, "output tokens per request at most", flag_values=FLAGS)
+flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+                     flag_values=FLAGS)
+flags.DEFINE_enum("warmup", "pass", ["pass", "engine"], "pass: a workload runs again while "
+                  "its pass built new programs (only the shapes it uses get built); engine: "
+                  "llm.engine.warmup() first (every bucket: more programs), then the same",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("tree_branches", 2, "children per node of the EAGLE tree", flag_values=FLAGS)
+flags.DEFINE_integer("tree_depth", 3, "levels of the EAGLE tree (and drafts of its chain)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("tree_prompts", 4, "chat prompts of the tree part", flag_values=FLAGS)
+flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights: a random head "
+                  "(exactness and timing only; acceptance is near 0)", flag_values=FLAGS)
+flags.DEFINE_bool("quick", False, "smoke run: ks 1,2; temperature 0; batch 1,2; 2 prompts; "
+                  "16 tokens", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
+                    flag_values=FLAGS)
+
+HELD_OUT = 360_000  # real_text before this is draft training text
+GROUNDED = (
+    "Summarize the following text.\n\n{text}",
+    "Rewrite the following text in plain, simple words.\n\n{text}",
+    "Repeat the following text exactly, but change its first sentence:\n\n{text}",
+)
+CHAT = (
+    "Explain the following in simple terms.\n\n{text}",
+    "What is this text about? Answer in a few sentences.\n\n{text}",
+    "What are the benefits of regular exercise?",
+    "Write a short story about a robot who learns to paint.",
+    "How do I make a good cup of tea?",
+    "Give me three tips for learning a new language.",
+    "Why is the sky blue?",
+    "Describe a typical day of a software engineer.",
+)
+WEIGHT_PATHS = {"draft": "draft_path", "eagle": "eagle_path"}  # SpeculativeConfig fields
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+def held_out_paragraphs(count: int, min_chars: int = 200, max_chars: int = 500,
+                        skip: int = 0) -> list[str]:
+    """Prose paragraphs (no tables or code listings) of the held-out text, in order, the first
+    `skip` left out; each cut to `max_chars` at a sentence end where possible."""
+    from experiments.common import real_text
+    from pydoc_data.topics import topics
+
+    total = len("\n\n".join(topics[k] for k in sorted(topics)))
+    text = real_text(total - HELD_OUT, offset=HELD_OUT)
+    out = []
+    for para in text.split("\n\n"):
+        para = " ".join(para.split())
+        letters = sum(ch.isalpha() or ch.isspace() for ch in para)
+        if len(para) < min_chars or letters < 0.9 * len(para) or "+--" in para:
+            continue
+        if len(para) > max_chars:
+            cut = para[:max_chars]
+            para = cut[:cut.rfind(". ") + 1] if ". " in cut else cut
+        out.append(para)
+    out = out[skip:skip + count]
+    if len(out) < count:
+        raise ValueError(f"only {len(out)} held-out paragraphs; asked for {count}")
+    return out
+
+
+def build_prompts(tokenizer, kind: str, count: int, max_chars: int) -> list[list[int]]:
+    """Chat-formatted prompt token ids: `grounded` (instructions over held-out snippets, for
+    n-gram lookup) or `chat` (questions, some about other held-out snippets)."""
+    if kind == "grounded":
+        texts = [GROUNDED[i % len(GROUNDED)].format(text=p)
+                 for i, p in enumerate(held_out_paragraphs(count, max_chars=max_chars))]
+    elif kind == "chat":
+        snippets = held_out_paragraphs(count, max_chars=max_chars, skip=count)
+        texts = [CHAT[i % len(CHAT)].format(text=snippets[i]) for i in range(count)]
+    else:
+        raise ValueError(f"unknown prompt kind {kind!r}")
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
+            for t in texts]
+
+
+# -- the cost model --------------------------------------------------------------------------
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a verify step emits on average with k drafts each accepted with probability alpha
+    (given the ones before it were): (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fraction: float = 1.0
+                      ) -> float:
+    """The lesson's cost model: a verify step emits expected_tokens(alpha, k) tokens for k
+    draft steps (c each) and one verify pass (v), in baseline decode steps. With
+    `verify_fraction` < 1 (n-gram finds nothing to propose at some steps) the other steps are
+    plain decode steps: one token, cost 1."""
+    f = verify_fraction
+    tokens = f * expected_tokens(alpha, k) + (1 - f)
+    cost = f * (k * c + v) + (1 - f)
+    return tokens / cost if cost > 0 else float("nan")
+
+
+def alpha_mle(accepted_counts: Sequence[int], proposed_counts: Sequence[int]) -> float:
+    """Per-position acceptance (the cost model's alpha): accepted drafts over the drafts the
+    verifier judged, i.e. accepted ones plus the first rejection of each step that had one."""
+    judged = sum(a + (a < p) for a, p in zip(accepted_counts, proposed_counts) if p > 0)
+    return sum(accepted_counts) / judged if judged else float("nan")
+
+
+# -- engine measurements ---------------------------------------------------------------------
+
+class ProposerProbe:
+    """Times a live engine's proposer and counts its drafts, by wrapping the instance's
+    `propose` and `commit` (nothing in the engine changes). Per propose call: start, end and
+    the row counts; per commit: the emitted lengths, so accepted = len - 1 for rows with
+    drafts in the step that proposed them."""
+
+    def __init__(self, proposer: Any) -> None:
+        self.proposer = proposer
+        self.calls: list[tuple[float, float, list[int]]] = []
+        self.emitted: list[list[int]] = []
+        self._pending: list[int] | None = None
+        propose, commit = proposer.propose, proposer.commit
+
+        def timed_propose(seqs, limits, rows, k, *args, **kwargs):
+            start = time.perf_counter()
+            out = propose(seqs, limits, rows, k, *args, **kwargs)
+            if out[2] is not None:
+                out[2].block_until_ready()
+            counts = [int(c) for c in out[1][:len(seqs)]]
+            self.calls.append((start, time.perf_counter(), counts))
+            self._pending = counts if any(counts) else None
+            return out
+
+        def counting_commit(seqs, emitted, *args, **kwargs):
+            # A commit after a plain decode step (nothing proposed) has nothing to count.
+            if self._pending is not None:
+                self.emitted.append([len(e) for e in emitted])
+                self._pending = None
+            return commit(seqs, emitted, *args, **kwargs)
+
+        proposer.propose, proposer.commit = timed_propose, counting_commit
+
+    def reset(self) -> None:
+        self.calls, self.emitted, self._pending = [], [], None
+
+    def summary(self) -> dict[str, Any]:
+        """Counts over the verify steps since reset: rows with drafts, drafts proposed and
+        accepted, and per row the (accepted, proposed) pairs."""
+        verifying = [c for _, _, c in self.calls if any(c)]
+        accepted, proposed = [], []
+        for counts, lens in zip(verifying, self.emitted):
+            for p, n in zip(counts, lens):
+                if p > 0:
+                    proposed.append(p)
+                    accepted.append(n - 1)
+        return {"verify_steps": len(self.emitted), "verify_rows": len(proposed),
+                "proposed": sum(proposed), "accepted": sum(accepted),
+                "accepted_counts": accepted, "proposed_counts": proposed,
+                "propose_s": sum(e - s for s, e, _ in self.calls),
+                "propose_calls": len(self.calls)}
+
+
+class ProgramCounter:
+    """Counts the programs JAX lowers while active: every new program, whether XLA then
+    compiles it or loads it from the persistent compilation cache (either would land in a
+    timed pass; `infer.runner.CompileCounter` sees only the compiles)."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENTS[0]:
+            self.count += 1
+        elif event == self.EVENTS[1] and self.count == 0:
+            self.count = 1  # a compile without a lowering we saw: count it anyway
+
+    def __enter__(self) -> "ProgramCounter":
+        import jax
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax._src import monitoring
+        monitoring.unregister_event_duration_listener(self._listener)
+
+
+def decode_time(records: Sequence[Any], probe: ProposerProbe | None = None
+                ) -> dict[str, float]:
+    """Time and row-steps of the decode steps among `records`; with a probe, also the mean
+    duration of the steps that verified drafts and of those that did not."""
+    decode = [r for r in records if r.kind == "decode"]
+    out = {"decode_s": sum(r.end_s - r.start_s for r in decode), "decode_steps": len(decode),
+           "decode_row_steps": sum(r.decode_rows for r in decode)}
+    out["decode_step_s"] = out["decode_s"] / len(decode) if decode else float("nan")
+    if probe is not None:
+        starts = [s for s, _, c in probe.calls if any(c)]
+        verify = [r for r in decode if any(r.start_s <= s <= r.end_s for s in starts)]
+        out["verify_step_s"] = (sum(r.end_s - r.start_s for r in verify) / len(verify)
+                                if verify else float("nan"))
+    return out
+
+
+def run_workload(llm, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
+                 probe: ProposerProbe | None) -> dict[str, Any]:
+    """One timed pass of the prompts through the engine; the row's measurements."""
+    from infer.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(prompts))]
+    first_record = len(llm.engine.records)
+    if probe is not None:
+        probe.reset()
+    before = _engine_stats(llm)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    records = llm.engine.records[first_record:]
+    row: dict[str, Any] = decode_time(records, probe)
+    tokens = [o.token_ids for o in outputs]
+    row["output_tokens"] = sum(map(len, tokens))
+    row["decode_tokens"] = sum(max(len(t) - 1, 0) for t in tokens)  # first ones: prefill's
+    row["decode_tok_s"] = (row["decode_tokens"] / row["decode_s"] if row["decode_s"]
+                           else float("nan"))
+    row["tokens_per_decode_step"] = (row["decode_tokens"] / row["decode_row_steps"]
+                                     if row["decode_row_steps"] else float("nan"))
+    row["tpot_s_mean"] = _mean([o.metrics.tpot_s for o in outputs])
+    row["ttft_s_mean"] = _mean([o.metrics.ttft_s for o in outputs])
+    row["token_ids"] = tokens
+    if probe is not None:
+        row["probe"] = probe.summary()
+        after = _engine_stats(llm)
+        if after:  # the engine's own counters (newer engines), for a cross-check
+            row["engine_stats"] = {k: after[k] - before.get(k, 0) for k in
+                                   ("verify_steps", "rows", "proposed", "accepted") if k in after}
+    return row
+
+
+def _engine_stats(llm) -> dict[str, float]:
+    stats = getattr(llm.engine, "speculative_stats", None)
+    return dict(stats()) if stats is not None else {}
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def missing_weights(method: str) -> str | None:
+    """The weights file a method needs and lacks (None when it has what it needs)."""
+    from infer.engine import SpeculativeConfig
+
+    field = WEIGHT_PATHS.get(method)
+    if field is None:
+        return None
+    fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    if field not in fields:
+        return f"(this engine's SpeculativeConfig has no {field})"
+    path = fields[field].default
+    return None if os.path.isfile(path) else path
+
+
+def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int) -> dict[str, Any]:
+    """The measured and predicted columns of one speculative run against its baseline."""
+    probe = spec.pop("probe")
+    proposed, accepted = probe["proposed"], probe["accepted"]
+    rows = probe["verify_rows"]
+    alpha = accepted / proposed if proposed else float("nan")
+    mle = alpha_mle(probe["accepted_counts"], probe["proposed_counts"])
+    k_mean = proposed / rows if rows else float(k)
+    base_step = base["decode_step_s"]
+    c = (probe["propose_s"] / max(probe["propose_calls"], 1) / k_mean / base_step
+         if probe["propose_calls"] else float("nan"))
+    own_verify = spec["verify_step_s"] - probe["propose_s"] / max(probe["propose_calls"], 1)
+    v = own_verify / base_step
+    # Row-steps that verified, among all decode row-steps (n-gram may find nothing to offer).
+    f = rows / spec["decode_row_steps"] if spec["decode_row_steps"] else float("nan")
+    row = {**spec, "k": k, "verify_steps": probe["verify_steps"], "verify_rows": rows,
+           "proposed": proposed, "accepted": accepted, "acceptance_rate": alpha,
+           "alpha_mle": mle, "drafts_per_verify": k_mean, "verify_fraction": f,
+           "mean_accepted_per_verify": accepted / rows if rows else float("nan"),
+           "tokens_per_verify": (accepted + rows) / rows if rows else float("nan"),
+           "baseline_decode_tok_s": base["decode_tok_s"],
+           "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
+           "draft_cost_ratio": c, "verify_cost_ratio": v,
+           "pred_tokens_per_verify": expected_tokens(alpha, k_mean) if proposed else float("nan"),
+           "pred_tokens_per_verify_mle": expected_tokens(mle, k_mean) if proposed else float("nan"),
+           "pred_speedup": predicted_speedup(alpha, k_mean, c, v, f) if proposed else float("nan"),
+           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f) if proposed
+                                else float("nan")),
+           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f) if proposed
+                               else float("nan"))}
+    return row
+
+
+@contextlib.contextmanager
+def single_window(max_model_len: int) -> Iterator[None]:
+    """Engines made inside use one attention window, max_model_len (infer.runner.MIN_WINDOW).
+
+    Why: when prompt lookup finds nothing, the runner falls back to a plain decode step whose
+    page-table width covers num_computed + 1 tokens, while the scheduler has already reserved
+    pages for the k drafts; a row whose reservation crosses a window boundary then has more
+    pages than the table holds (ValueError in Runner._tables). One window avoids the boundary,
+    at the cost of attending over max_model_len slots every step, baseline and speculation
+    alike, and compiles fewer programs."""
+    from infer import runner
+
+    saved = runner.MIN_WINDOW
+    runner.MIN_WINDOW = max_model_len
+    try:
+        yield
+    finally:
+        runner.MIN_WINDOW = saved
+
+
+def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
+               batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
+               warmup: str, seed: int, loaded, writer,
+               prompts: dict[str, list[list[int]]] | None = None) -> list[dict[str, Any]]:
+    """Baselines per batch size, prompt kind and temperature, then every runnable method x k
+    against them. `prompts` (kind -> token ids) replaces the held-out SmolLM2 prompts."""
+    from tqdm import tqdm
+
+    from infer.llm import LLM
+
+    config, model, tokenizer = loaded
+    runnable = []
+    for m in methods:
+        missing = missing_weights(m)
+        if missing:
+            print(f"[speculation] skipping method {m!r}: weights file {missing} is missing")
+        else:
+            runnable.append(m)
+    kinds = sorted({"grounded" if m == "ngram" else "chat" for m in runnable})
+    count = max(num_prompts, max(batch_sizes))
+    if prompts is None:
+        prompts = {kind: build_prompts(tokenizer, kind, count, snippet_chars) for kind in kinds}
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
+    # Room for the longest prompt, its tokens and a full verify step, in few window buckets.
+    max_model_len = 128 * -(-(longest + max_tokens + max(ks) + 2) // 128)
+    engine_args = dict(max_model_len=max_model_len, max_prefill_tokens=256)
+
+    def timed(llm, kind: str, batch: int, temperature: float,
+              probe: ProposerProbe | None) -> dict:
+        """A pass over max(num_prompts, batch) prompts, repeated while the pass built a new
+        program (compiled or loaded from the persistent cache): the timed pass is the first
+        that built none. With warmup=pass the repeats are the warm-up: they cost a pass but
+        build only the shapes the workload uses."""
+        work = prompts[kind][:max(num_prompts, batch)]
+        for attempt in range(3):
+            with ProgramCounter() as built:
+                row = run_workload(llm, work, temperature, max_tokens, seed, probe)
+            if built.count == 0:
+                break
+        row["untimed_passes"], row["programs_built_while_timed"] = attempt, built.count
+        return row
+
+    rows = []
+    total = len(batch_sizes) * (len(kinds) * len(temperatures)
+                                + len(runnable) * len(ks) * len(temperatures))
+    bar = tqdm(total=total, desc="engine runs")
+    with single_window(max_model_len):
+        for batch in batch_sizes:
+            base_llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=batch, **engine_args)
+            if warmup == "engine":
+                base_llm.engine.warmup()
+            baselines = {}
+            for kind in kinds:
+                for t in temperatures:
+                    row = timed(base_llm, kind, batch, t, None)
+                    baselines[kind, t] = row
+                    out = {"experiment": "speculation", "part": "engine", "method": "none", "k": 0,
+                           "temperature": t, "batch": batch, "prompts": kind,
+                           "num_prompts": max(num_prompts, batch), "max_tokens": max_tokens,
+                           "speedup": 1.0,
+                           **{key: v for key, v in row.items() if key != "token_ids"}}
+                    writer.write(out)
+                    rows.append(out)
+                    bar.update(1)
+            del base_llm
+            for method in runnable:
+                kind = "grounded" if method == "ngram" else "chat"
+                for k in ks:
+                    llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=batch,
+                                          speculative={"method": method, "num_tokens": k},
+                                          **engine_args)
+                    if warmup == "engine":
+                        llm.engine.warmup()
+                    probe = ProposerProbe(llm.engine.runner.proposer)
+                    for t in temperatures:
+                        base = baselines[kind, t]
+                        spec = timed(llm, kind, batch, t, probe)
+                        same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
+                                / len(base["token_ids"])) if t == 0 else None
+                        out = {"experiment": "speculation", "part": "engine", "method": method,
+                               "temperature": t, "batch": batch, "prompts": kind,
+                               "num_prompts": max(num_prompts, batch), "max_tokens": max_tokens,
+                               **spec_row(base, spec, k), "greedy_identical": same}
+                        out.pop("token_ids")
+                        writer.write(out)
+                        rows.append(out)
+                        bar.update(1)
+                    del llm
+    bar.close()
+    return rows
+
+
+# -- tree part -------------------------------------------------------------------------------
+
+def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int = 9
+                     ) -> dict[str, float]:
+    """Median seconds of one draft (head catch-up + tree expansion) and of one verify (target
+    pass over the tree, the rule of `temperature`, compaction), each timed alone on a fresh
+    state after `prompt`."""
+    import dataclasses as dc
+
+    import jax
+    import numpy as np
+
+    draft_s, verify_s = [], []
+    for _ in range(repeats + 1):  # the first round compiles
+        state = spec.prefill(prompt)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        tokens, head_cache = spec.draft(state)
+        jax.block_until_ready(tokens)
+        draft_s.append(time.perf_counter() - start)
+        state = dc.replace(state, head_cache=head_cache)
+        start = time.perf_counter()
+        jax.block_until_ready(spec.verify(state, tokens, temperature))
+        verify_s.append(time.perf_counter() - start)
+    return {"draft_s": float(np.median(draft_s[1:])), "verify_s": float(np.median(verify_s[1:]))}
+
+
+def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompts: int,
+             max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, writer,
+             prompts: list[list[int]] | None = None, eagle_path: str | None = None
+             ) -> list[dict[str, Any]]:
+    """Plain decoding, the EAGLE tree and the chain of its depth, per temperature, on chat
+    prompts (or `prompts`), with the head at `eagle_path` (default: the engine's)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm import tqdm
+
+    from infer.eagle import EagleHead, load_eagle
+    from infer.engine import SpeculativeConfig
+    from infer.tree_speculation import plain_generate, speculator
+
+    config, model, tokenizer = loaded
+    path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
+                               if f.name == "eagle_path"),
+                              os.path.join("weights", "eagle_smollm2.safetensors"))
+    if os.path.isfile(path):
+        head, head_kind = load_eagle(config, path), "trained"
+    elif random_head:
+        head, head_kind = EagleHead(config, jnp.float32, nnx.Rngs(seed)), "random"
+    else:
+        print(f"[speculation] skipping the tree part: EAGLE weights {path} are missing "
+              f"(--random_head runs it with an untrained head)")
+        return []
+    if prompts is None:
+        prompts = build_prompts(tokenizer, "chat", num_prompts, snippet_chars)
+    prompts = prompts[:num_prompts]
+    max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + branches ** (depth + 1) + 2) // 128)
+    shapes = [("tree", branches, depth), ("chain", 1, depth)]
+    specs = {name: speculator(model, head, b, d, max_len) for name, b, d in shapes}
+    eos = tokenizer.eos_ids if tokenizer is not None else ()
+    rows = []
+    bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
+    def run_all(fn) -> tuple[list[list[int]], dict[str, float]]:
+        """fn(prompt, seed) over every prompt, after one untimed call that compiles; the
+        outputs and the sums of the count and time stats."""
+        fn(prompts[0], seed)
+        outs, totals = [], {}
+        for i, p in enumerate(prompts):
+            ids, stats = fn(p, seed + i)
+            outs.append(ids)
+            for key in ("decode_s", "verify_steps", "accepted", "full_steps"):
+                totals[key] = totals.get(key, 0) + stats.get(key, 0)
+        return outs, totals
+
+    for t in temperatures:
+        base_out, base = run_all(lambda p, s: plain_generate(
+            model, p, max_tokens, temperature=t, seed=s, eos_ids=eos, max_len=max_len))
+        base_tokens = sum(len(o) - 1 for o in base_out)
+        base_tok_s = base_tokens / base["decode_s"]
+        step_s = base["decode_s"] / base_tokens
+        row = {"experiment": "speculation", "part": "tree", "method": "none", "tree": "none",
+               "head": head_kind, "temperature": t, "batch": 1, "num_prompts": num_prompts,
+               "max_tokens": max_tokens, "decode_tokens": base_tokens,
+               "decode_tok_s": base_tok_s, "decode_step_s": step_s, "speedup": 1.0}
+        writer.write(row)
+        rows.append(row)
+        bar.update(1)
+        for name, b, d in shapes:
+            spec = specs[name]
+            outs, tot = run_all(lambda p, s: spec.generate(p, max_tokens, temperature=t, seed=s,
+                                                           eos_ids=eos))
+            pieces = time_tree_pieces(spec, prompts[0], t)
+            tokens = sum(len(o) - 1 for o in outs)
+            steps, accepted = tot["verify_steps"], tot["accepted"]
+            # Levels the verifier judged: accepted ones plus a rejection, except in steps that
+            # accepted the whole depth. The acceptance rate counts `depth` proposed per step.
+            judged = accepted + steps - tot["full_steps"]
+            alpha = accepted / (steps * d) if steps else float("nan")
+            mle = accepted / judged if judged else float("nan")
+            c = pieces["draft_s"] / d / step_s
+            v = pieces["verify_s"] / step_s
+            tok_s = tokens / tot["decode_s"]
+            row = {"experiment": "speculation", "part": "tree", "method": "eagle_tree",
+                   "tree": f"{b}x{d}", "branches": b, "depth": d, "k": d,
+                   "nodes": spec.num_nodes, "head": head_kind, "temperature": t, "batch": 1,
+                   "num_prompts": num_prompts, "max_tokens": max_tokens,
+                   "decode_tokens": tokens, "decode_tok_s": tok_s, "verify_steps": steps,
+                   "accepted": accepted, "acceptance_rate": alpha, "alpha_mle": mle,
+                   "mean_accepted_per_verify": accepted / steps if steps else float("nan"),
+                   "tokens_per_verify": (accepted + steps) / steps if steps else float("nan"),
+                   "baseline_decode_tok_s": base_tok_s, "speedup": tok_s / base_tok_s,
+                   "draft_step_s": pieces["draft_s"], "verify_step_s": pieces["verify_s"],
+                   "draft_cost_ratio": c, "verify_cost_ratio": v,
+                   "pred_tokens_per_verify": expected_tokens(alpha, d),
+                   "pred_tokens_per_verify_mle": expected_tokens(mle, d),
+                   "pred_speedup": predicted_speedup(alpha, d, c, v),
+                   "pred_speedup_mle": predicted_speedup(mle, d, c, v),
+                   "pred_speedup_v1": predicted_speedup(alpha, d, c, 1.0),
+                   "greedy_identical": (sum(a == b_ for a, b_ in zip(outs, base_out))
+                                        / len(outs)) if t == 0 else None}
+            writer.write(row)
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    return rows
+
+
+# -- output ----------------------------------------------------------------------------------
+
+COLUMNS = [("method", "method"), ("prompts", "prompts"), ("k", "k"), ("temperature", "T"),
+           ("batch", "B"),
+           ("decode_tok_s", "tok/s"), ("baseline_decode_tok_s", "base tok/s"),
+           ("speedup", "speedup"), ("acceptance_rate", "accept"), ("alpha_mle", "alpha mle"),
+           ("tokens_per_verify", "tok/verify"), ("pred_tokens_per_verify_mle", "pred tok/verify"),
+           ("draft_cost_ratio", "c"), ("verify_cost_ratio", "v"),
+           ("pred_speedup", "pred speedup"), ("pred_speedup_mle", "pred (mle)"),
+           ("greedy_identical", "greedy same")]
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    engine = [r for r in rows if r["part"] == "engine" and r["method"] != "none"]
+    tree = [r for r in rows if r["part"] == "tree" and r["method"] != "none"]
+    batches = sorted({r["batch"] for r in engine}) or [1]
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5.5 * (len(batches) + 1), 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = sorted({r["method"] for r in engine})
+    color = {m: colors[i % len(colors)] for i, m in enumerate(methods + ["eagle_tree"])}
+    styles = {}
+    all_ks = sorted({r["k"] for r in engine + tree})
+    for ax, batch in zip(axes, batches):
+        for m in methods:
+            for j, t in enumerate(sorted({r["temperature"] for r in engine})):
+                pts = sorted((r for r in engine if r["method"] == m and r["batch"] == batch
+                              and r["temperature"] == t), key=lambda r: r["k"])
+                if not pts:
+                    continue
+                ks = [r["k"] for r in pts]
+                styles[t] = ["-", ":", "-."][j % 3]
+                ax.plot(ks, [r["speedup"] for r in pts], styles[t], marker="o", color=color[m],
+                        label=f"{m} T={t:g}")
+                ax.plot(ks, [r["pred_speedup_mle"] for r in pts], styles[t], marker="x",
+                        color=color[m], alpha=0.35)
+        if batch == 1:
+            for r in tree:
+                ax.scatter([r["k"]], [r["speedup"]], marker="*" if r["branches"] > 1 else "s",
+                           s=90, color=color["eagle_tree"],
+                           label=f"eagle_generate {r['tree']} T={r['temperature']:g}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_ks, [str(k) for k in all_ks])
+        ax.set_xlabel("drafts per step k")
+        ax.set_ylabel("decode speedup over no speculation")
+        ax.set_title(f"batch {batch}: measured (o), cost model (x, faint)")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    grid = np.linspace(1, max(all_ks or [1]), 50)
+    for m in methods:
+        pts = sorted((r for r in engine if r["method"] == m and r["temperature"] == 0
+                      and r["batch"] == batches[0]), key=lambda r: r["k"])
+        if not pts:
+            continue
+        ax.plot([r["k"] for r in pts], [r["tokens_per_verify"] for r in pts], "o-",
+                color=color[m], label=f"{m} (T=0, B={batches[0]})")
+        alphas = [r["alpha_mle"] for r in pts if r["alpha_mle"] == r["alpha_mle"]]
+        if alphas:
+            a = float(np.mean(alphas))
+            ax.plot(grid, [expected_tokens(a, k) for k in grid], "--", color=color[m],
+                    alpha=0.6, label=f"cost model (1-a^(k+1))/(1-a), a={a:.2f} (mean mle)")
+    for r in tree:
+        if r["temperature"] == 0:
+            ax.scatter([r["k"]], [r["tokens_per_verify"]], s=90, color=color["eagle_tree"],
+                       marker="*" if r["branches"] > 1 else "s",
+                       label=f"eagle_generate {r['tree']}")
+    ax.set_xlabel("drafts per step k (tree: depth)")
+    ax.set_ylabel("tokens emitted per verify step")
+    ax.set_title("accepted + 1 per verify step vs the cost model")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: list[float],
+        batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
+        warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
+        seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
+        eagle_path: str | None = None) -> list[dict[str, Any]]:
+    """Runs the parts; returns the rows (also appended to `out`). `loaded` is (config, model,
+    tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ..., "chat": ...} token
+    ids) and `eagle_path` replace the defaults (tests run a tiny model this way)."""
+    from experiments.common import JsonlWriter, markdown_table
+    from infer.loader import load
+
+    loaded = loaded or load("smollm2-135m", "float32")
+    writer = JsonlWriter(out)
+    rows: list[dict[str, Any]] = []
+    if "engine" in parts:
+        rows += run_engine(methods=methods, ks=ks, temperatures=temperatures,
+                           batch_sizes=batch_sizes, num_prompts=num_prompts,
+                           max_tokens=max_tokens, snippet_chars=snippet_chars, warmup=warmup,
+                           seed=seed, loaded=loaded, writer=writer, prompts=prompts)
+    if "tree" in parts:
+        rows += run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
+                         num_prompts=tree_prompts, max_tokens=max_tokens,
+                         snippet_chars=snippet_chars, random_head=random_head, seed=seed,
+                         loaded=loaded, writer=writer,
+                         prompts=(prompts or {}).get("chat"), eagle_path=eagle_path)
+    engine_rows = [r for r in rows if r["part"] == "engine"]
+    if engine_rows:
+        print("\nEngine (chain) speculation; baselines are method none:")
+        print(markdown_table(engine_rows, COLUMNS))
+    tree_rows = [r for r in rows if r["part"] == "tree"]
+    if tree_rows:
+        print("\neagle_generate at batch 1 (tree vs chain of the same depth):")
+        print(markdown_table(tree_rows, [("tree", "tree"), ("head", "head")] + COLUMNS[2:]))
+    if rows:
+        plot(rows, out.replace(".jsonl", ".png"))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu, enable_compilation_cache
+    configure_xla_cpu()
+    enable_compilation_cache()
+    f = FLAGS
+    quick = f.quick
+    run(parts=f.parts, methods=f.methods,
+        ks=[1, 2] if quick else [int(k) for k in f.ks],
+        temperatures=[0.0] if quick else [float(t) for t in f.temperatures],
+        batch_sizes=[1, 2] if quick else [int(b) for b in f.batch_sizes],
+        num_prompts=2 if quick else f.num_prompts, max_tokens=16 if quick else f.max_tokens,
+        snippet_chars=200 if quick else f.snippet_chars, warmup=f.warmup,
+        tree_branches=f.tree_branches, tree_depth=f.tree_depth,
+        tree_prompts=1 if quick else f.tree_prompts, random_head=f.random_head or quick,
+        seed=f.seed, out=f.out)
+
+
+if __name__ == "__main__":
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)
