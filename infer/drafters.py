@@ -44,6 +44,7 @@ from infer.page_allocator import SequencePages
 from infer.paged_cache import PagedKVCache
 from infer.sampling import SamplingArrays, SamplingParams, row_keys, warp_logits
 from infer.scheduler import PrefillChunk, SeqState
+from infer.runner import page_tables
 
 if TYPE_CHECKING:
     from infer.runner import RunnerConfig
@@ -122,7 +123,7 @@ class _ModelProposer:
         active = [i for i, limit in enumerate(limits) if limit > 0]
         for i in active:
             self._catch_up_long(seqs[i])
-        width = self._window(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
+        width = self.config.window_for(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
         inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width)
         limits_arr = np.zeros(rows, np.int32)
         limits_arr[:len(limits)] = limits
@@ -168,15 +169,6 @@ class _ModelProposer:
         track.valid = min(track.valid, seq.num_computed)
         return track
 
-    def _window(self, tokens: int) -> int:
-        return bucket_for(-(-tokens // self.config.page_size), self.config.window_buckets)
-
-    def _tables(self, seqs: Sequence[SeqState], rows: int, width: int) -> np.ndarray:
-        tables = np.zeros((rows, width), np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.pages.pages)] = s.pages.pages
-        return tables
-
     def _catch_up_long(self, seq: SeqState) -> None:
         """Feeds all but the last `catch_up_width` pending rows, a chunk at a time on one row."""
         track = self._track(seq)
@@ -184,13 +176,13 @@ class _ModelProposer:
         while track.valid < last:
             end = min(last, track.valid + self.config.max_prefill_tokens)
             t = bucket_for(end - track.valid, self.config.prefill_buckets)
-            width = self._window(max(end, seq.pages.capacity))
+            width = self.config.window_for(max(end, seq.pages.capacity))
             cached = np.array([track.valid], np.int32)
             q_lens = np.array([end - track.valid], np.int32)
             meta = AttentionMetadata(
                 positions=jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None]),
                 lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
-                page_tables=jnp.asarray(self._tables([seq], 1, width)))
+                page_tables=jnp.asarray(page_tables([seq], 1, width)))
             self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
                                        meta)
             track.valid = end
@@ -200,20 +192,18 @@ class _ModelProposer:
         w = self.catch_up_width
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
-        tables = np.zeros((rows, width), np.int32)
         row_inputs = [np.zeros((rows, w, *shape), dtype) for shape, dtype in self._row_spec()]
         for seq, i in zip(seqs, rows_of):
             track = self._tracks[seq.request.request_id]
             end = self._last_pending(seq)
             cached[i], q_lens[i] = track.valid, end - track.valid
-            tables[i, :len(seq.pages.pages)] = seq.pages.pages
             for buffer, values in zip(row_inputs, self._rows(seq, track, track.valid, end, w)):
                 buffer[i] = values[0]
             track.valid = end
         positions = cached[:, None] + np.arange(w, dtype=np.int32)[None]
         meta = AttentionMetadata(positions=jnp.asarray(positions),
                                  lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
-                                 page_tables=jnp.asarray(tables))
+                                 page_tables=jnp.asarray(page_tables(seqs, rows, width, rows_of)))
         return (*[jnp.asarray(b) for b in row_inputs], meta)
 
     # -- warm-up --------------------------------------------------------------------------------

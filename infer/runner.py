@@ -66,6 +66,20 @@ class RunnerConfig:
         tokens = powers_of_two(min(MIN_WINDOW, self.max_model_len), self.max_model_len)
         return tuple(dict.fromkeys(-(-t // g) for t in tokens))
 
+    def window_for(self, tokens: int) -> int:
+        """The page-table width bucket (in pages) that holds `tokens` tokens."""
+        return bucket_for(-(-tokens // self.page_size), self.window_buckets)
+
+
+def page_tables(seqs: Sequence[SeqState], rows: int, width: int,
+                row_of: Sequence[int] | None = None) -> np.ndarray:
+    """[rows, width] page ids, sequence i in row `row_of[i]` (default i), zero-padded (padding
+    rows write nothing)."""
+    tables = np.zeros((rows, width), np.int32)
+    for i, s in zip(range(len(seqs)) if row_of is None else row_of, seqs):
+        tables[i, :len(s.pages.pages)] = s.pages.pages
+    return tables
+
 
 @dataclasses.dataclass
 class SpeculationStats:
@@ -122,9 +136,6 @@ class Runner:
             return self._decode(plan.decode, plan.decode_width)
         return []
 
-    def _window(self, tokens: int) -> int:
-        return bucket_for(-(-tokens // self.config.page_size), self.config.window_buckets)
-
     def _inputs(self, tokens: np.ndarray, cached: np.ndarray, q_lens: np.ndarray,
                 tables: np.ndarray, params: Sequence[SamplingParams], steps: np.ndarray) -> tuple:
         """Device arrays for one step, built on the host: eager jnp arithmetic here would
@@ -147,9 +158,9 @@ class Runner:
     def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
         rows = len(chunks)
         t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
-        width = self._window(max(c.start + len(c.token_ids) for c in chunks))
+        width = self.config.window_for(max(c.start + len(c.token_ids) for c in chunks))
         tokens = np.zeros((rows, t), np.int32)
-        tables = self._tables([c.seq for c in chunks], rows, width)
+        tables = page_tables([c.seq for c in chunks], rows, width)
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
         cached = np.array([c.start for c in chunks], np.int32)
@@ -165,9 +176,9 @@ class Runner:
         """`width`: rows to compute at least (a static batch computes its finished rows too)."""
         rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
         # Pages reserved for drafts that were then not proposed count too: the table holds them.
-        width = self._window(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
+        width = self.config.window_for(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
         tokens = np.zeros((rows, 1), np.int32)
-        tables = self._tables(seqs, rows, width)
+        tables = page_tables(seqs, rows, width)
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         steps = np.zeros(rows, np.int32)
@@ -199,7 +210,7 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
             steps[i] = len(s.request.output_ids)
-        tables = self._tables(seqs, rows, self._window(
+        tables = page_tables(seqs, rows, self.config.window_for(
             max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs))))
         params = [s.request.params for s in seqs]
         tok, meta, sampling, steps = self._inputs(tokens, cached, q_lens, tables, params, steps)
@@ -212,12 +223,6 @@ class Runner:
         self.proposer.commit(seqs, out, hidden)
         return out
 
-    @staticmethod
-    def _tables(seqs: Sequence[SeqState], rows: int, width: int) -> np.ndarray:
-        tables = np.zeros((rows, width), np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.pages.pages)] = s.pages.pages
-        return tables
 
     # -- compilation ----------------------------------------------------------------------------
 
