@@ -172,6 +172,12 @@ def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos
                                        temperature=0.0, stream=True,
                                        logit_bias={eos_id: -1e9}):
             times.append(time.perf_counter())
+        # The stream ends with one more chunk than tokens: the finish chunk (finish_reason set,
+        # holding any text it held back), which is no token of its own.
+        if len(times) != w.output_len + 1:
+            raise RuntimeError(f"llama.cpp streamed {len(times)} chunks for {w.output_len} "
+                               f"tokens (expected one per token and a finish chunk)")
+        times = times[:-1]
         arrival = start + w.arrival_s
         itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
         metrics.append(RequestMetrics(

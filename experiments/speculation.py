@@ -224,33 +224,6 @@ class ProposerProbe:
                 "propose_calls": len(self.calls)}
 
 
-class ProgramCounter:
-    """Counts the programs JAX lowers while active: every new program, whether XLA then
-    compiles it or loads it from the persistent compilation cache (either would land in a
-    timed pass; `infer.runner.CompileCounter` sees only the compiles)."""
-
-    EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
-              "/jax/core/compile/backend_compile_duration")
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def _listener(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.EVENTS[0]:
-            self.count += 1
-        elif event == self.EVENTS[1] and self.count == 0:
-            self.count = 1  # a compile without a lowering we saw: count it anyway
-
-    def __enter__(self) -> "ProgramCounter":
-        import jax
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from jax._src import monitoring
-        monitoring.unregister_event_duration_listener(self._listener)
-
-
 def decode_time(records: Sequence[Any], probe: ProposerProbe | None = None
                 ) -> dict[str, float]:
     """Time and row-steps of the decode steps among `records`; with a probe, also the mean
@@ -386,6 +359,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
     from tqdm import tqdm
 
     from infer.llm import LLM
+    from infer.runner import CompileCounter
 
     config, model, tokenizer = loaded
     runnable = []
@@ -412,7 +386,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         build only the shapes the workload uses."""
         work = prompts[kind][:max(num_prompts, batch)]
         for attempt in range(3):
-            with ProgramCounter() as built:
+            with CompileCounter() as built:
                 row = run_workload(llm, work, temperature, max_tokens, seed, probe)
             if built.count == 0:
                 break

@@ -7,6 +7,21 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory) -> str:
+    """JAX's persistent compilation cache in a directory of this session only. Each `Engine`
+    jits its steps afresh, so without it every test that builds an engine on SmolLM2 compiled
+    the same 30-layer programs again; with it the second engine loads them. A fresh directory
+    per session: no test ever sees a program compiled by older code."""
+    import jax
+
+    from infer.platform import enable_compilation_cache
+
+    path = enable_compilation_cache(str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from infer.checkpoint import smollm2_gguf_path

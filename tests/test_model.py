@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 from infer.kv_cache import AttentionMetadata, KVCache
-from infer.loader import load
 from infer.model import Llama
 from infer.config import get_config
 from tests.hf_util import hf_logits
