@@ -145,3 +145,18 @@ def run_experiment(main: Callable[[list[str]], None], experiment_flags: Any) -> 
     from absl import app, flags
 
     app.run(main, flags_parser=lambda argv: experiment_flags(flags.FLAGS(argv, known_only=True)))
+
+
+def load_hf_smollm2(dtype: str) -> Any:
+    """HF transformers' LlamaForCausalLM from the bundled SmolLM2 GGUF, in eval mode: the peer
+    that the benchmarks run on the same requests."""
+    import torch
+    import transformers
+
+    from infer.checkpoint import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path),
+        dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
+    return model.eval()

@@ -10,7 +10,6 @@ step is the bytes it must move (weights + the KV it reads) over the measured cop
 
 from __future__ import annotations
 
-import os
 import time
 
 from absl import flags
@@ -31,7 +30,8 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import JsonlWriter, markdown_table, measure_ceilings, real_text
+    from experiments.common import (JsonlWriter, load_hf_smollm2, markdown_table,
+                                    measure_ceilings, real_text)
     from infer.memory import kv_bytes_per_token
     from infer.loader import load
     from infer.loop import decode_stream
@@ -49,7 +49,7 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
             pass
         return tok
 
-    hf = _load_hf(dtype) if "hf" in peers else None
+    hf = load_hf_smollm2(dtype) if "hf" in peers else None
 
     def hf_generate(b: int, n: int):
         import torch
@@ -97,18 +97,6 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
                                 ("bandwidth_floor_step_ms", "floor ms"),
                                 ("fraction_of_floor", "of floor"), ("vs_hf", "× HF")]))
     return rows
-
-
-def _load_hf(dtype: str):
-    import torch
-    import transformers
-
-    from infer.checkpoint import smollm2_gguf_path
-    path = smollm2_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path),
-        dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
-    return model.eval()
 
 
 def main(argv: list[str]) -> None:

@@ -193,7 +193,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         output_shape: float, output_scale: float, output_cap: int, max_num_seqs: int,
         max_prefill_tokens: int, max_model_len: int, dtype: str, kv_cache_dtype: str,
         policies: list[str], peers: list[str], seed: int, out: str) -> list[dict]:
-    from experiments.common import JsonlWriter, markdown_table, real_text
+    from experiments.common import JsonlWriter, load_hf_smollm2, markdown_table, real_text
     from infer.checkpoint import smollm2_gguf_path
     from infer.engine import Engine, EngineConfig
     from infer.loader import load
@@ -235,7 +235,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         timelines[policy] = [(r.start_s - start, r.end_s - start, r.slot_utilization)
                              for r in records if r.kind != "idle"]
     if "hf" in peers:
-        hf = _load_hf(dtype)
+        hf = load_hf_smollm2(dtype)
         metrics, _, wall = serve_hf(hf, work, max_num_seqs, "HF transformers static")
         record("hf-transformers", "static", metrics, wall)
         del hf
@@ -298,18 +298,6 @@ def plot(rows: list[dict], timelines: dict, path: str, max_num_seqs: int) -> Non
         ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _load_hf(dtype: str):
-    import torch
-    import transformers
-
-    from infer.checkpoint import smollm2_gguf_path
-    path = smollm2_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path),
-        dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
-    return model.eval()
 
 
 def main(argv: list[str]) -> None:

@@ -20,7 +20,6 @@ line per self-draft and per epoch to results/train_draft.jsonl.
 
 from __future__ import annotations
 
-import math
 import time
 
 from absl import flags
@@ -54,19 +53,17 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     from tqdm import tqdm
 
     from experiments.common import JsonlWriter, markdown_table
-    from experiments.spec_data import (MetricMeans, batches, generated_mask, load_training_data,
-                                       make_optimizer, split_heldout)
+    from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
+                                       training_split)
     from infer.draft import (DRAFT_CONFIG, SHARED, distill_loss, draft_own_params, load_draft,
                              save_draft, self_draft)
     from infer.loader import load
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
-    dataset = load_training_data(data)
-    n = len(dataset["lengths"]) if max_sequences <= 0 else min(max_sequences, len(dataset["lengths"]))
-    train_idx, held_idx = split_heldout(n, 0.1)
-    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
-    total = steps_per_epoch * epochs
+    split = training_split(data, max_sequences=max_sequences, batch_size=batch_size, epochs=epochs)
+    dataset, train_idx, held_idx = split.dataset, split.train_idx, split.held_idx
+    steps_per_epoch, total = split.steps_per_epoch, split.total_steps
     writer = JsonlWriter(out)
     settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
                     weight_decay=weight_decay, clip=clip, seed=seed,

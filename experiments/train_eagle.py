@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 
 from absl import flags
@@ -44,6 +43,8 @@ flags.DEFINE_float("noise", 0.0, "uniform noise amplitude added to input feature
 flags.DEFINE_integer("seed", 0, "initialization, shuffling and noise seed", flag_values=FLAGS)
 flags.DEFINE_integer("max_sequences", 0, "use only this many sequences (0: all)", flag_values=FLAGS)
 flags.DEFINE_string("weights", "weights/eagle_smollm2.safetensors", "output weights",
+                    flag_values=FLAGS)
+flags.DEFINE_string("init", "", "continue training from these weights (empty: random init)",
                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/train_eagle.jsonl", "JSONL output", flag_values=FLAGS)
 
@@ -119,7 +120,7 @@ def losses(head, target, hidden, tokens, lengths, *, cls_weight, step2_weight, n
 
 def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, weight_decay: float,
         clip: float, cls_weight: float, step2_weight: float, noise: float, seed: int,
-        max_sequences: int, weights: str, out: str) -> list[dict]:
+        max_sequences: int, weights: str, out: str, init: str = "") -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,24 +129,25 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     from tqdm import tqdm
 
     from experiments.common import JsonlWriter, markdown_table
-    from experiments.spec_data import (MetricMeans, batches, generated_mask, load_training_data,
-                                       make_optimizer, split_heldout)
+    from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
+                                       training_split)
     from infer.eagle import EagleHead, load_eagle, save_eagle
     from infer.loader import load
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
-    dataset = load_training_data(data)
-    n = len(dataset["lengths"]) if max_sequences <= 0 else min(max_sequences, len(dataset["lengths"]))
-    train_idx, held_idx = split_heldout(n, 0.1)
-    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
-    total = steps_per_epoch * epochs
+    split = training_split(data, max_sequences=max_sequences, batch_size=batch_size, epochs=epochs)
+    dataset, train_idx, held_idx = split.dataset, split.train_idx, split.held_idx
+    steps_per_epoch, total = split.steps_per_epoch, split.total_steps
     opt, schedule = make_optimizer(lr=lr, total_steps=total, warmup_steps=int(warmup * total),
                                    weight_decay=weight_decay, clip=clip)
 
-    head = EagleHead(config, rngs=nnx.Rngs(seed))
-    # Start the output scale at the target's: predicted features are normalized like its own.
-    head.norm.weight.set_value(target.norm.weight.get_value())
+    if init:
+        head = load_eagle(config, init)  # float32 master weights from the saved bfloat16
+    else:
+        head = EagleHead(config, rngs=nnx.Rngs(seed))
+        # Start the output scale at the target's: predicted features are normalized like its own.
+        head.norm.weight.set_value(target.norm.weight.get_value())
     graphdef, params = nnx.split(head)
     tgraph, tstate = nnx.split(target)
     opt_state = opt.init(params)
@@ -197,13 +199,13 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     writer = JsonlWriter(out)
     settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
                     weight_decay=weight_decay, clip=clip, cls_weight=cls_weight,
-                    step2_weight=step2_weight, noise=noise, seed=seed,
+                    step2_weight=step2_weight, noise=noise, seed=seed, init=init,
                     train_sequences=len(train_idx), heldout_sequences=len(held_idx),
                     data_meta=dataset["meta"])
     rows = [{"experiment": "train_eagle", "epoch": 0, "step": 0, **evaluate(params),
              "seconds": time.perf_counter() - start, **settings}]
     writer.write(rows[-1])
-    print(f"epoch 0 (random init): held-out top-1 {rows[-1]['heldout_top1']:.3f}")
+    print(f"epoch 0 ({init or 'random init'}): held-out top-1 {rows[-1]['heldout_top1']:.3f}")
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     step, curve = 0, []
@@ -261,7 +263,8 @@ def main(argv: list[str]) -> None:
     run(data=FLAGS.data, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size, lr=FLAGS.lr,
         warmup=FLAGS.warmup, weight_decay=FLAGS.weight_decay, clip=FLAGS.clip,
         cls_weight=FLAGS.cls_weight, step2_weight=FLAGS.step2_weight, noise=FLAGS.noise,
-        seed=FLAGS.seed, max_sequences=FLAGS.max_sequences, weights=FLAGS.weights, out=FLAGS.out)
+        seed=FLAGS.seed, max_sequences=FLAGS.max_sequences, weights=FLAGS.weights, init=FLAGS.init,
+        out=FLAGS.out)
 
 
 if __name__ == "__main__":
