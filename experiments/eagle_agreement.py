@@ -1,0 +1,93 @@
+"""How often the EAGLE head's first draft is the target's own next token, teacher-forced, on the
+prompts of `experiments.speculation` and SmolLM2's greedy answers to them.
+
+  python -m experiments.eagle_agreement --kinds=chat,grounded --num_prompts=4 --max_tokens=32
+
+The training script reports this agreement on held-out training-style text; the speculation
+experiment measures acceptance inside the engine. This runs the training's own teacher-forced
+pass (`infer.eagle.eagle_forward`, true features at every position) over the speculation
+experiment's prompts, so the three can be compared: if the engine accepted fewer drafts than this
+agreement on answer tokens predicts, the engine's drafting would be at fault; if they match, the
+head is. Writes one JSON line per prompt kind to results/eagle_agreement.jsonl.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("kinds", ["chat"], "prompt kinds of experiments.speculation", flag_values=FLAGS)
+flags.DEFINE_integer("num_prompts", 4, "prompts per kind", flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 32, "greedy answer tokens per prompt", flag_values=FLAGS)
+flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+                     flag_values=FLAGS)
+flags.DEFINE_string("eagle_path", "weights/eagle_smollm2.safetensors", "EAGLE head weights",
+                    flag_values=FLAGS)
+flags.DEFINE_string("out", "results/eagle_agreement.jsonl", "JSONL output", flag_values=FLAGS)
+
+
+def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, int, int, int]:
+    """(answer hits, answer positions, all hits, all positions): the head's argmax draft against
+    the target's argmax, teacher-forced over prompt + answer. Answer positions are those whose
+    drafted token is an answer token after the first (the first follows the prompt's last
+    position, which the target computes itself)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from infer.eagle import eagle_forward, eagle_logits
+    from infer.kv_cache import AttentionMetadata, KVCache
+
+    c = target.config
+    tokens = jnp.asarray([list(prompt) + list(answer)])
+    n = tokens.shape[1]
+    cache = KVCache.create(c.num_layers, 1, n, c.num_kv_heads, c.head_dim)
+    logits, hidden, _ = target(tokens, cache, AttentionMetadata.for_prefill(jnp.asarray([n]), n))
+    predicted, _, _, _ = eagle_forward(head, target, hidden, tokens, jnp.asarray([n]))
+    # Row t reads (h_t, x_{t+1}) and drafts x_{t+2}; the target's choice there is argmax at t+1.
+    drafted = np.asarray(jnp.argmax(eagle_logits(target, predicted), -1))[0]
+    wanted = np.asarray(jnp.argmax(logits, -1))[0, 1:]
+    hit = drafted == wanted
+    in_answer = np.arange(n - 1) + 2 > len(prompt)  # drafted index t + 2 is past answer[0]
+    return int(hit[in_answer].sum()), int(in_answer.sum()), int(hit.sum()), n - 1
+
+
+def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: int,
+        eagle_path: str, out: str) -> list[dict]:
+    from experiments.common import JsonlWriter, markdown_table
+    from experiments.speculation import build_prompts
+    from infer.eagle import load_eagle
+    from infer.loader import load
+    from infer.tree_speculation import plain_generate
+
+    config, target, tokenizer = load("smollm2-135m", "float32")
+    head = load_eagle(config, eagle_path)
+    writer = JsonlWriter(out)
+    rows = []
+    for kind in kinds:
+        totals = [0, 0, 0, 0]
+        for prompt in build_prompts(tokenizer, kind, num_prompts, snippet_chars):
+            answer, _ = plain_generate(target, prompt, max_tokens)
+            totals = [a + b for a, b in zip(totals, agreement(target, head, prompt, answer))]
+        row = {"experiment": "eagle_agreement", "kind": kind, "eagle_path": eagle_path,
+               "num_prompts": num_prompts, "max_tokens": max_tokens,
+               "answer_top1": totals[0] / totals[1], "answer_positions": totals[1],
+               "all_top1": totals[2] / totals[3], "all_positions": totals[3]}
+        writer.write(row)
+        rows.append(row)
+    print(markdown_table(rows, [("kind", "prompts"), ("answer_top1", "top-1 on answers"),
+                                ("answer_positions", "answer positions"),
+                                ("all_top1", "top-1, all positions")]))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from infer.platform import configure_xla_cpu
+    configure_xla_cpu()
+    run(kinds=FLAGS.kinds, num_prompts=FLAGS.num_prompts, max_tokens=FLAGS.max_tokens,
+        snippet_chars=FLAGS.snippet_chars, eagle_path=FLAGS.eagle_path, out=FLAGS.out)
+
+
+if __name__ == "__main__":
+    from experiments.common import run_experiment
+    run_experiment(main, FLAGS)
