@@ -301,30 +301,24 @@ class Runner:
 
 
 class CompileCounter:
-    """Counts programs made executable while active, through JAX's monitoring events: XLA
-    backend compilations, and loads from the persistent compilation cache (a program another
-    process or an earlier engine compiled is still one this process had not run)."""
+    """Counts programs made executable while active, through JAX's monitoring events. The
+    event times `compile_or_get_cached`, so it fires once per program whether XLA compiles it or
+    loads it from the persistent compilation cache (a program an earlier engine or process
+    compiled is still one this process had not run)."""
 
-    COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # dispatch.BACKEND_COMPILE_EVENT
-    CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+    EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 
     def __init__(self) -> None:
         self.count = 0
 
-    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.COMPILE_EVENT:
-            self.count += 1
-
-    def _on_event(self, event: str, **kwargs) -> None:
-        if event == self.CACHE_HIT_EVENT:
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
             self.count += 1
 
     def __enter__(self) -> "CompileCounter":
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
         return self
 
     def __exit__(self, *exc) -> None:
         from jax._src import monitoring
-        monitoring.unregister_event_duration_listener(self._on_duration)
-        monitoring.unregister_event_listener(self._on_event)
+        monitoring.unregister_event_duration_listener(self._listener)

@@ -111,6 +111,31 @@ def test_compile_counter_sees_compilations(tiny_model) -> None:
     assert compiles.count > 0
 
 
+def test_compile_counter_sees_programs_loaded_from_the_persistent_cache(
+        compilation_cache: str) -> None:
+    """With the persistent cache on (tests/conftest.py), a program an earlier `jit` compiled is
+    loaded, not compiled, by a new `jit` of the same function: still one new program for the
+    no-recompilation test to catch."""
+    import jax
+
+    def same_program():
+        def body(x):  # a new function object each call, with the same name and code
+            return jnp.tanh(x) * 3.0 + jnp.sin(x)
+        return body
+
+    x = jnp.arange(7.0)
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        with CompileCounter() as first:
+            jax.jit(same_program())(x).block_until_ready()
+        with CompileCounter() as second:  # no in-memory hit: the persistent cache's
+            jax.jit(same_program())(x).block_until_ready()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    assert first.count == 1 and second.count == 1
+
+
 def test_callback_exception_aborts_only_that_request(tiny_model, caplog) -> None:
     engine = tiny_engine(tiny_model)
     seen: dict[str, int] = {"good": 0}
