@@ -34,6 +34,7 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
     import jax.numpy as jnp
     import numpy as np
 
+    from experiments.spec_data import generated_mask
     from infer.eagle import eagle_forward, eagle_logits
     from infer.kv_cache import AttentionMetadata, KVCache
 
@@ -47,7 +48,8 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
     drafted = np.asarray(jnp.argmax(eagle_logits(target, predicted), -1))[0]
     wanted = np.asarray(jnp.argmax(logits, -1))[0, 1:]
     hit = drafted == wanted
-    in_answer = np.arange(n - 1) + 2 > len(prompt)  # drafted index t + 2 is past answer[0]
+    # Drafted tokens the target generated, answer[0] excepted: as if the prompt ran one further.
+    in_answer = np.asarray(generated_mask(jnp.asarray([len(prompt) + 1]), n - 1, 2))[0] > 0
     return int(hit[in_answer].sum()), int(in_answer.sum()), int(hit.sum()), n - 1
 
 

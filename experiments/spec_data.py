@@ -18,14 +18,15 @@ The default path is under `.cache/` (git-ignored): about 60 MB for the defaults.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from absl import flags
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_sequences", 256, "sequences to generate", flag_values=FLAGS)
@@ -216,26 +217,13 @@ def generated_mask(prompt_lens, num_positions: int, offset: int):
     return (t >= prompt_lens[:, None]).astype(jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainingSplit:
-    """A training run's data: the arrays, which sequences train and which are held out, and
-    the step counts that follow from the batch size."""
-
-    dataset: dict
-    train_idx: Any
-    held_idx: Any
-    steps_per_epoch: int
-    total_steps: int
-
-
-def training_split(path: str, *, max_sequences: int, batch_size: int, epochs: int
-                   ) -> TrainingSplit:
-    """Loads `path` and holds out 10% of its first `max_sequences` sequences (all when <= 0)."""
+def training_split(path: str, max_sequences: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(dataset, train indices, held-out indices) of the file at `path`: 10% of its first
+    `max_sequences` sequences (all when <= 0) held out, the same ones every run."""
     dataset = load_training_data(path)
     n = len(dataset["lengths"])
     train_idx, held_idx = split_heldout(n if max_sequences <= 0 else min(max_sequences, n), 0.1)
-    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
-    return TrainingSplit(dataset, train_idx, held_idx, steps_per_epoch, steps_per_epoch * epochs)
+    return dataset, train_idx, held_idx
 
 
 def make_optimizer(*, lr: float, total_steps: int, warmup_steps: int, weight_decay: float,

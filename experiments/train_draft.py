@@ -20,6 +20,7 @@ line per self-draft and per epoch to results/train_draft.jsonl.
 
 from __future__ import annotations
 
+import math
 import time
 
 from absl import flags
@@ -61,9 +62,9 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
-    split = training_split(data, max_sequences=max_sequences, batch_size=batch_size, epochs=epochs)
-    dataset, train_idx, held_idx = split.dataset, split.train_idx, split.held_idx
-    steps_per_epoch, total = split.steps_per_epoch, split.total_steps
+    dataset, train_idx, held_idx = training_split(data, max_sequences)
+    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
+    total = steps_per_epoch * epochs
     writer = JsonlWriter(out)
     settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
                     weight_decay=weight_decay, clip=clip, seed=seed,

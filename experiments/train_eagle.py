@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 from absl import flags
@@ -136,9 +137,9 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
-    split = training_split(data, max_sequences=max_sequences, batch_size=batch_size, epochs=epochs)
-    dataset, train_idx, held_idx = split.dataset, split.train_idx, split.held_idx
-    steps_per_epoch, total = split.steps_per_epoch, split.total_steps
+    dataset, train_idx, held_idx = training_split(data, max_sequences)
+    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
+    total = steps_per_epoch * epochs
     opt, schedule = make_optimizer(lr=lr, total_steps=total, warmup_steps=int(warmup * total),
                                    weight_decay=weight_decay, clip=clip)
 
