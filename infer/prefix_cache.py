@@ -32,7 +32,7 @@ Plain Python, no JAX.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from infer.page_allocator import PageAllocator
 
@@ -173,12 +173,14 @@ class PrefixCache:
         self._stats["evicted_pages"] += freed
         return freed
 
-    def num_evictable(self) -> int:
+    def num_evictable(self, pinned: Iterable[int] = ()) -> int:
         """Pages `evict` could free now: cached pages only the cache holds, with no page in use
-        below them. Free pages + this = what an allocation can get (for admission control)."""
+        below them. Free pages + this = what an allocation can get (for admission control).
+        `pinned` pages count as in use: pages a caller is about to take a reference to."""
+        pinned = set(pinned)
         blocked: set[int] = set()  # pages with an in-use page at or below them
         for node in self._nodes.values():
-            if self.allocator.refcount(node.page) > 1:
+            if self.allocator.refcount(node.page) > 1 or node.page in pinned:
                 while node is not self._root and node.page not in blocked:
                     blocked.add(node.page)
                     node = node.parent

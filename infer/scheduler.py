@@ -195,28 +195,35 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plans one step; pages for its tokens are reserved (copy-on-write copies listed)."""
+        """Plans one step; pages for its tokens are reserved (copy-on-write copies listed).
+
+        Admission runs once, first; a request preempted here is not re-admitted before the next
+        step, so the pages it gives up go to the requests admitted before it."""
         self._admit()
-        want_prefill = any(s.in_prefill for s in self.running)
-        want_decode = any(s.decode_ready for s in self.running)
-        if want_prefill and (not want_decode or self._last_kind != "prefill"):
-            plan = self._plan_prefill()
-            if plan.prefill:
-                self._last_kind = "prefill"
+        preempted: list[SeqState] = []
+        while True:
+            want_prefill = any(s.in_prefill for s in self.running)
+            want_decode = any(s.decode_ready for s in self.running)
+            plan = None
+            if want_prefill and (not want_decode or self._last_kind != "prefill"):
+                plan = self._plan_prefill()
+                if not plan.prefill:
+                    plan = None
+            if plan is None and want_decode:
+                plan = self._plan_decode()
+            if plan is not None:
+                self._last_kind = plan.kind
+                plan.preempted[:0] = preempted
                 return plan
-        if want_decode:
-            self._last_kind = "decode"
-            return self._plan_decode()
-        if want_prefill:
+            if not want_prefill:
+                self._last_kind = "idle"
+                return StepPlan(kind="idle", preempted=preempted)
             # Every running request is mid-prompt and the pages are gone: give the latest
-            # admitted one's pages to the others, or nothing would ever move again.
+            # admitted one's pages to the others, or nothing would ever move again. Each pass
+            # removes one running request, so the loop ends.
             victim = max(self.running, key=lambda s: s.admitted_at)
             self._preempt(victim)
-            plan = self.schedule()
-            plan.preempted.insert(0, victim)
-            return plan
-        self._last_kind = "idle"
-        return StepPlan(kind="idle")
+            preempted.append(victim)
 
     def _admit(self) -> None:
         if self.config.policy == "static":
@@ -233,7 +240,8 @@ class Scheduler:
             first_chunk = min(seq.num_tokens, len(cached) * self.allocator.page_size
                               + self.config.max_prefill_tokens)
             needed = -(-first_chunk // self.allocator.page_size) - len(cached)
-            if needed > self._pages_available():
+            # The matched pages stop being evictable once this request holds them.
+            if needed > self._pages_available(pinned=cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self._take_cached(seq, cached)
@@ -261,9 +269,11 @@ class Scheduler:
             seq.num_computed = seq.pages.num_tokens = len(cached) * self.allocator.page_size
         seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed)
 
-    def _pages_available(self) -> int:
-        evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
-        return self.allocator.num_free() + evictable
+    def _pages_available(self, pinned: Sequence[int] = ()) -> int:
+        """Free pages plus cached pages an allocation could evict, `pinned` ones excluded."""
+        if self.prefix_cache is None:
+            return self.allocator.num_free()
+        return self.allocator.num_free() + self.prefix_cache.num_evictable(pinned)
 
     def _cache_pages(self, seq: SeqState) -> None:
         """Offers the sequence's computed full pages to the prefix cache."""
@@ -311,6 +321,10 @@ class Scheduler:
                     plan.draft_limits.append(drafts)
                     break
                 except OutOfPages:
+                    if drafts:
+                        # Drafts are optional work: a plain decode row costs nobody a preemption.
+                        drafts = 0
+                        continue
                     victim = max((s for s in self.running if s is not seq
                                   and s not in plan.decode), key=lambda s: s.admitted_at,
                                  default=None)
@@ -386,6 +400,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.release(seq.pages)
         seq.status = Status.FINISHED
+        # A long-running engine keeps no record of finished requests: their outputs went to
+        # the caller with the step that finished them.
+        self.seqs.pop(seq.request.request_id, None)
         if seq.request.finish_reason is None:
             seq.request.finish_reason = FinishReason.ABORT
 

@@ -12,7 +12,7 @@ import pytest
 from infer.page_allocator import PageAllocator
 from infer.request import FinishReason, Request
 from infer.sampling import SamplingParams
-from infer.scheduler import Scheduler, SchedulerConfig, StepPlan
+from infer.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
 
 VOCAB = 97
 EOS = 0
@@ -61,11 +61,25 @@ class MockRunner:
         return out
 
 
+def tracked(sched: Scheduler) -> Scheduler:
+    """Keeps every added request's state in `sched.history`: the scheduler itself forgets a
+    request when it finishes."""
+    sched.history = {}
+    add = sched.add
+
+    def add_and_keep(request: Request) -> SeqState:
+        seq = sched.history[request.request_id] = add(request)
+        return seq
+
+    sched.add = add_and_keep
+    return sched
+
+
 def make(num_pages: int = 64, page_size: int = 4, **config) -> tuple[Scheduler, MockRunner]:
     allocator = PageAllocator(num_pages, page_size)
     clock = iter(range(10**9))
     sched = Scheduler(SchedulerConfig(**config), allocator, clock=lambda: float(next(clock)))
-    return sched, MockRunner(allocator)
+    return tracked(sched), MockRunner(allocator)
 
 
 def request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, **params) -> Request:
@@ -87,7 +101,8 @@ def run(sched: Scheduler, runner: MockRunner, max_steps: int = 100_000) -> list[
 
 
 def check_outputs(sched: Scheduler) -> None:
-    for seq in sched.seqs.values():
+    assert not sched.seqs, "finished requests must be forgotten"
+    for seq in sched.history.values():
         r = seq.request
         if r.finish_reason == FinishReason.ABORT:
             continue
@@ -126,7 +141,7 @@ def test_preemption_recomputes_and_keeps_outputs() -> None:
     for i in range(6):
         sched.add(request(str(i), prompt_len=6, max_tokens=20))
     run(sched, runner)
-    assert sum(s.request.num_preemptions for s in sched.seqs.values()) > 0
+    assert sum(s.request.num_preemptions for s in sched.history.values()) > 0
     check_outputs(sched)
     assert sched.allocator.num_free() == 12
 
@@ -182,7 +197,8 @@ def test_abort_frees_pages_and_others_continue() -> None:
     assert held > 0
     sched.abort("1")
     assert sched.allocator.num_used() == used_before - held
-    assert sched.seqs["1"].request.finish_reason == FinishReason.ABORT
+    assert sched.history["1"].request.finish_reason == FinishReason.ABORT
+    assert "1" not in sched.seqs
     run(sched, runner)
     check_outputs(sched)
     assert sched.allocator.num_free() == sched.allocator.num_pages
@@ -214,7 +230,7 @@ def test_thousand_requests_with_aborts_return_every_page() -> None:
     check_outputs(sched)
     assert sched.allocator.num_free() == 40
     sched.allocator.check_invariants()
-    assert sum(s.request.finish_reason == FinishReason.ABORT for s in sched.seqs.values()) > 50
+    assert sum(s.request.finish_reason == FinishReason.ABORT for s in sched.history.values()) > 50
 
 
 def test_prefix_cache_reuses_pages_and_keeps_outputs() -> None:
@@ -225,8 +241,8 @@ def test_prefix_cache_reuses_pages_and_keeps_outputs() -> None:
     allocator = PageAllocator(48, 4)
     cache = PrefixCache(allocator)
     clock = iter(range(10**9))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_prefill_tokens=8), allocator,
-                      clock=lambda: float(next(clock)), prefix_cache=cache)
+    sched = tracked(Scheduler(SchedulerConfig(max_num_seqs=3, max_prefill_tokens=8), allocator,
+                              clock=lambda: float(next(clock)), prefix_cache=cache))
     runner = MockRunner(allocator)
     rng = random.Random(5)
     system = [rng.randrange(1, VOCAB) for _ in range(21)]
@@ -237,13 +253,13 @@ def test_prefix_cache_reuses_pages_and_keeps_outputs() -> None:
         plans = run(sched, runner)
         computed += sum(len(c.token_ids) for p in plans for c in p.prefill)
     # a second turn extends the first request's whole conversation
-    first = sched.seqs["r0"].request
+    first = sched.history["r0"].request
     turn2 = first.prompt_token_ids + first.output_ids + [3, 4, 5]
     sched.add(Request("turn2", turn2, SamplingParams(max_tokens=6), None, (EOS,)))
     run(sched, runner)
     check_outputs(sched)
-    assert sched.seqs["turn2"].request.num_cached_tokens >= 24  # 21 + 6 tokens -> 6 full pages
-    assert all(sched.seqs[f"r{i}"].request.num_cached_tokens == 20 for i in range(1, 8))
+    assert sched.history["turn2"].request.num_cached_tokens >= 24  # 21 + 6 tokens -> 6 full pages
+    assert all(sched.history[f"r{i}"].request.num_cached_tokens == 20 for i in range(1, 8))
     assert cache.stats()["hits"] >= 8
     cache.check_invariants()
     allocator.check_invariants()
@@ -257,8 +273,8 @@ def test_prefix_cache_under_memory_pressure() -> None:
     from infer.prefix_cache import PrefixCache
     allocator = PageAllocator(14, 4)
     cache = PrefixCache(allocator)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_tokens=8), allocator,
-                      prefix_cache=cache)
+    sched = tracked(Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_tokens=8), allocator,
+                              prefix_cache=cache))
     runner = MockRunner(allocator)
     rng = random.Random(6)
     shared = [rng.randrange(1, VOCAB) for _ in range(12)]
