@@ -19,11 +19,20 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    """The weight dtype for a name in DTYPES or a dtype object of one; ValueError otherwise."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported weight dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         return DTYPES[dtype]
-    return jnp.dtype(dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    # Objects too: jnp.int8 or np.float64 would otherwise load, and fail (or silently run in
+    # a dtype the model was never checked in) much later.
+    if resolved is None or resolved.name not in DTYPES:
+        raise ValueError(f"unsupported weight dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return resolved
 
 
 def resolve_path(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -46,8 +55,9 @@ def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32
          ) -> tuple[LlamaConfig, Llama, Tokenizer]:
     """Loads (config, model, tokenizer). The model is the Flax module holding the weights;
     `nnx.split(model)` gives the (graphdef, params) pair the jitted steps take."""
+    weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
     checkpoint = read_checkpoint(path)
     config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
-    model = model_from_hf_tensors(config, checkpoint.tensors, resolve_dtype(dtype))
+    model = model_from_hf_tensors(config, checkpoint.tensors, weight_dtype)
     return config, model, Tokenizer.from_checkpoint(checkpoint)

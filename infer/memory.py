@@ -8,21 +8,16 @@ import dataclasses
 import jax.numpy as jnp
 
 from infer.config import LlamaConfig
-from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS, bytes_per_token_per_head
+from kernels_pallas.kv_quant import (KV_FORMAT_ALIASES, bytes_per_token_per_head,
+                                     resolve_kv_format)
 
 # Short names people use for cache formats.
-KV_FORMAT_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-                     "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                     "fp8_e5m2": "float8_e5m2"}
 GB = 1e9  # GPU memory is sold in decimal gigabytes (A100-80GB: 80e9 bytes)
 
 
 def kv_format_name(kv_format: str) -> str:
-    name = KV_FORMAT_ALIASES.get(kv_format, kv_format)
-    if name not in SUPPORTED_KV_FORMATS:
-        raise ValueError(f"unsupported KV format {kv_format!r}; supported: "
-                         f"{list(SUPPORTED_KV_FORMATS)} and aliases {sorted(KV_FORMAT_ALIASES)}")
-    return name
+    """The canonical name of a KV format or alias (the kernels' one table)."""
+    return resolve_kv_format(kv_format)
 
 
 def kv_bytes_per_token(config: LlamaConfig, kv_format: str = "bfloat16",

@@ -12,9 +12,16 @@ Formats (`kv_format`):
                                  nibble, 2i+1 in the high one), asymmetric: x = q * scale + low with
                                  q in [0, 15], per group of min(32, D) consecutive elements;
                                  scales [..., 2 * D//group] hold the groups' scales, then their lows
-Scales are float16: their rounding (2^-11 relative) is far below any format's step, and at half
-the bytes of float32 they keep int4's overhead at a quarter of its data. A zero vector gets
-scale 0 and dequantizes to zeros.
+Scales are bfloat16: float32's exponent range in float16's two bytes. float16 scales flushed
+small vectors to zero (float8_e5m2's absmax / 57344 underflows float16 below an absmax of about
+1.7e-3) and sent int4's low of large ones to inf; bfloat16 covers float32's normal range.
+Its coarser rounding (2^-8 relative) costs nothing measurable: data are quantized against the
+stored, rounded scale, so the rounding only stretches the grid by at most 2^-8, and int4's low is
+rounded down, so it widens its group's range by at most 2^-7 |low| instead of clipping values.
+A zero vector gets scale 0 and dequantizes to zeros.
+
+Aliases (`KV_FORMAT_ALIASES`: fp8 = float8_e4m3fn as in vLLM, bf16, fp16, ...) are accepted by
+every function here and resolved by `resolve_kv_format`, the one place a format name is parsed.
 
 Asymmetric int4: on SmolLM2 keys, whose groups are often skewed to one side, it raised top-1
 agreement with the float32 cache by about 4 points over a symmetric [-7, 7] grid.
@@ -33,17 +40,32 @@ SUPPORTED_KV_FORMATS: tuple[str, ...] = (
 _UNSCALED = ("float32", "bfloat16", "float16")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 INT4_GROUP = 32
+# Short names people use for cache formats; fp8 means e4m3 (vLLM's kv_cache_dtype="fp8" too).
+KV_FORMAT_ALIASES: dict[str, str] = {
+    "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
 
 
-def check_kv_format(kv_format: str) -> None:
-    if kv_format not in SUPPORTED_KV_FORMATS:
+def resolve_kv_format(kv_format: str) -> str:
+    """The canonical name of a KV format or alias; ValueError naming both lists otherwise."""
+    # Strings only: a numpy dtype compares equal to its name, and would then key jit caches as
+    # a second spelling of the same format.
+    name = KV_FORMAT_ALIASES.get(kv_format, kv_format) if isinstance(kv_format, str) else None
+    if name not in SUPPORTED_KV_FORMATS:
         raise ValueError(
-            f"unsupported kv_format {kv_format!r}; supported: {', '.join(SUPPORTED_KV_FORMATS)}")
+            f"unsupported kv_format {kv_format!r}; supported: {', '.join(SUPPORTED_KV_FORMATS)} "
+            f"(aliases: {', '.join(sorted(KV_FORMAT_ALIASES))})")
+    return name
+
+
+# The older name. Callers must use the returned name: this module compares canonical names.
+check_kv_format = resolve_kv_format
 
 
 def storage_dtype(kv_format: str) -> jnp.dtype:
     """dtype of the stored page data."""
-    check_kv_format(kv_format)
+    kv_format = check_kv_format(kv_format)
     if kv_format == "int4":
         return jnp.dtype(jnp.uint8)
     return jnp.dtype(kv_format)
@@ -55,7 +77,7 @@ def int4_group(D: int) -> int:
 
 def stored_head_dim(D: int, kv_format: str) -> int:
     """Last dim of the stored data (Ds): D, or D // 2 for int4 (two values per byte)."""
-    check_kv_format(kv_format)
+    kv_format = check_kv_format(kv_format)
     if kv_format != "int4":
         return D
     if D % 2 or D % int4_group(D):
@@ -63,13 +85,13 @@ def stored_head_dim(D: int, kv_format: str) -> int:
     return D // 2
 
 
-SCALE_DTYPE = jnp.float16
+SCALE_DTYPE = jnp.bfloat16  # see the module docstring: float16's range lost small vectors
 
 
 def scale_groups(D: int, kv_format: str) -> int:
     """Number of scale entries per stored vector (last dim of `scales`); 0 when unscaled.
     For int4, a scale and a low value per group."""
-    check_kv_format(kv_format)
+    kv_format = check_kv_format(kv_format)
     if kv_format in _UNSCALED:
         return 0
     if kv_format == "int4":
@@ -80,6 +102,7 @@ def scale_groups(D: int, kv_format: str) -> int:
 
 def bytes_per_token_per_head(D: int, kv_format: str) -> int:
     """Bytes one token costs in one kv head of one of K or V: data plus its scales."""
+    kv_format = check_kv_format(kv_format)
     return (stored_head_dim(D, kv_format) * storage_dtype(kv_format).itemsize
             + jnp.dtype(SCALE_DTYPE).itemsize * scale_groups(D, kv_format))
 
@@ -91,7 +114,7 @@ def _safe_div(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 def quantize(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None]:
     """x [..., D] -> (data [..., Ds] in storage_dtype, scales [..., groups] SCALE_DTYPE or None)."""
-    check_kv_format(kv_format)
+    kv_format = check_kv_format(kv_format)
     stored_head_dim(x.shape[-1], kv_format)  # validates D (int4) with a clear message
     return _quantize(x, kv_format)
 
@@ -109,19 +132,30 @@ def _quantize(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None
     if kv_format in _FP8:
         fmax = float(jnp.finfo(kv_format).max)
         scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / fmax).astype(SCALE_DTYPE)
-        # Clip: x / scale can land one rounding step above fmax, and e4m3fn has no inf (NaN).
+        # Clip: x / scale can land a rounding step above fmax, and e4m3fn has no inf (NaN).
         data = jnp.clip(_safe_div(x, scale), -fmax, fmax).astype(kv_format)
         return data, scale
     # int4
     D = x.shape[-1]
     g = int4_group(D)
     xg = x.reshape(*x.shape[:-1], D // g, g)
-    low = jnp.min(xg, axis=-1).astype(SCALE_DTYPE)  # [..., D // g]
-    scale = ((jnp.max(xg, axis=-1) - low) / 15.0).astype(SCALE_DTYPE)
+    low = _floor_to_scale_dtype(jnp.min(xg, axis=-1))  # [..., D // g], <= every value
+    # The range from the stored low, so the stored pair spans the group: no value clips.
+    scale = ((jnp.max(xg, axis=-1) - low.astype(jnp.float32)) / 15.0).astype(SCALE_DTYPE)
     q = jnp.clip(jnp.round(_safe_div(xg - low[..., None], scale[..., None])), 0, 15)
     q = q.astype(jnp.int32).reshape(x.shape)
     data = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(jnp.uint8)
     return data, jnp.concatenate([scale, low], axis=-1)
+
+
+def _floor_to_scale_dtype(x: jax.Array) -> jax.Array:
+    """float32 -> the largest bfloat16 <= x. Rounding to nearest could put int4's low above the
+    group's minimum and clip it; bfloat16 is float32's top 16 bits, so floor is bit masking:
+    truncate the magnitude of x >= 0, round the magnitude of x < 0 up."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    floored = jnp.where(x < 0, up, bits & jnp.uint32(0xFFFF0000))
+    return jax.lax.bitcast_convert_type(floored, jnp.float32).astype(SCALE_DTYPE)
 
 
 def dequantize_planes(data: jax.Array, scales: jax.Array | None, kv_format: str) -> tuple[jax.Array, ...]:
@@ -131,6 +165,7 @@ def dequantize_planes(data: jax.Array, scales: jax.Array | None, kv_format: str)
     the values at even and odd positions of D. Kernels contract each plane with the matching
     plane of q, which avoids an in-kernel lane interleave; `dequantize` interleaves them.
     """
+    kv_format = resolve_kv_format(kv_format)  # plain Python on a static name: free under tracing
     if kv_format in _UNSCALED:
         return (data.astype(jnp.float32),)
     if kv_format != "int4":
@@ -153,7 +188,7 @@ def dequantize(
     data: jax.Array, scales: jax.Array | None, kv_format: str, dtype: jnp.dtype = jnp.float32,
 ) -> jax.Array:
     """(data [..., Ds], scales [..., groups] | None) -> [..., D] in `dtype`."""
-    check_kv_format(kv_format)
+    kv_format = check_kv_format(kv_format)
     if (scales is None) != (kv_format in _UNSCALED):
         raise ValueError(f"kv_format {kv_format!r} {'needs' if scales is None else 'takes no'} scales")
     return _dequantize(data, scales, kv_format, jnp.dtype(dtype))

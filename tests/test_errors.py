@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from infer import loader
 from infer.config import get_config
 from infer.loader import load, resolve_path
 from infer.loop import validate_prompts
@@ -41,8 +44,8 @@ def test_token_outside_vocabulary(llm) -> None:
 
 
 def test_validate_prompts_names_the_prompt() -> None:
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
-        validate_prompts([[1], []], 10, 100, [1, 1])
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        validate_prompts([[1], []], 10, 100, [SamplingParams(max_tokens=1)] * 2)
     with pytest.raises(ValueError, match="no prompts"):
         validate_prompts([], 10, 100, [])
 
@@ -73,6 +76,22 @@ def test_bad_weight_dtype() -> None:
         load("smollm2-135m", "int3")
 
 
+@pytest.mark.parametrize("dtype", ["int3", "float16", jnp.int8, np.float64, "auto", None])
+def test_bad_weight_dtype_fails_before_the_file_is_read(tmp_path, monkeypatch, dtype) -> None:
+    """A typo in dtype costs no checkpoint read (seconds for a GGUF, minutes for a large model),
+    and a dtype object outside the supported ones is refused too, not loaded."""
+    def read(path):
+        raise AssertionError(f"read {path} before checking the dtype")
+
+    monkeypatch.setattr(loader, "read_checkpoint", read)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="unsupported weight dtype.*choose one of"):
+        load(str(path), dtype)
+    for ok in ("float32", "bfloat16", jnp.float32, jnp.bfloat16, np.dtype("float32")):
+        assert jnp.dtype(loader.resolve_dtype(ok)).name in loader.DTYPES
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature must be"),
     (dict(temperature=float("nan")), "temperature must be"),
@@ -82,6 +101,8 @@ def test_bad_weight_dtype() -> None:
     (dict(top_k=2.5), "top_k must be"),
     (dict(max_tokens=0), "max_tokens must be"),
     (dict(seed=-1), "seed must be"),
+    (dict(max_tokens=True), "max_tokens must be"),
+    (dict(seed=True), "seed must be"),
     (dict(stop=[""]), "stop must be non-empty"),
 ])
 def test_invalid_sampling_params(kwargs, message) -> None:

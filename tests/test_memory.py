@@ -19,14 +19,14 @@ def test_llama3_70b_bf16_bytes_per_token():
 def test_llama3_70b_fp8_is_half_plus_one_scale_per_head():
     config = get_config("llama-3-70b")
     assert kv_bytes_per_token(config, "fp8", include_scales=False) == 327_680 // 2
-    # One float16 scale per head and token beside the 128 one-byte values.
+    # One bfloat16 scale per head and token beside the 128 one-byte values.
     assert kv_bytes_per_token(config, "fp8") == 2 * L70 * K70 * (128 + 2)
 
 
 def test_llama3_70b_int4_quarter_and_scales():
     config = get_config("llama-3-70b")
     assert kv_bytes_per_token(config, "int4", include_scales=False) == 327_680 // 4
-    # 128 dims at 4 bits = 64 bytes, plus 128 / 32 = 4 groups, each a float16 scale and low.
+    # 128 dims at 4 bits = 64 bytes, plus 128 / 32 = 4 groups, each a bfloat16 scale and low.
     assert kv_bytes_per_token(config, "int4") == 2 * 80 * 8 * (64 + 4 * 2 * 2) == 102_400
 
 
