@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from infer.sampling import SamplingArrays, SamplingParams, sample, warp_logits
 
@@ -71,7 +74,7 @@ def test_wrong_distribution_is_detected() -> None:
 def test_top_k_and_top_p_compose() -> None:
     warped = warp_logits(jnp.asarray(LOGITS)[None],
                          SamplingArrays.from_params([SamplingParams(temperature=1.0, top_k=6,
-                                                                    top_p=0.5)]))
+                                                                    top_p=0.5, seed=0)]))
     # top-k 6 first (mass .85), renormalized .353, .235, .141, ...: mass before the third is
     # .588 > .5, so the nucleus holds two tokens (without top-k it would hold three)
     kept = np.isfinite(np.asarray(warped[0]))
@@ -102,9 +105,40 @@ def test_changing_values_does_not_recompile() -> None:
     fn = jax.jit(lambda *args: sample(*args))  # a cache of its own
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 50)), jnp.float32)
     steps = jnp.zeros(4, jnp.int32)
-    for params in ([SamplingParams()] * 4,
+    for params in ([SamplingParams(seed=0)] * 4,
                    [SamplingParams(temperature=0.5, top_k=3, seed=9)] * 4,
                    [SamplingParams(temperature=1.2, top_p=0.3), SamplingParams(),
                     SamplingParams(top_k=2, temperature=1.0), SamplingParams(seed=4)]):
+        params = [p.with_resolved_seed() for p in params]
         fn(logits, SamplingArrays.from_params(params), steps).block_until_ready()
     assert fn._cache_size() == 1
+
+
+def test_unseeded_requests_draw_independent_noise() -> None:
+    """seed=None is a fresh seed per request (vLLM's meaning): two unseeded requests with the
+    same prompt differ. With the old default seed 0 every unseeded request drew the same noise."""
+    unseeded = SamplingParams(temperature=1.0)
+    assert unseeded.seed is None
+    resolved = [unseeded.with_resolved_seed() for _ in range(8)]
+    seeds = [p.seed for p in resolved]
+    assert all(isinstance(s, int) and 0 <= s < 2**32 for s in seeds)
+    assert len(set(seeds)) == len(seeds)  # 8 draws of 32 bits: a collision is a 1e-8 event
+    assert all(dataclasses.replace(p, seed=None) == unseeded for p in resolved)  # only the seed
+    draws = [tuple(_draws(p, n=32)) for p in resolved]
+    assert len(set(draws)) == len(draws)
+
+
+def test_a_resolved_seed_reproduces() -> None:
+    seeded = SamplingParams(temperature=1.0, seed=123)
+    assert seeded.with_resolved_seed() is seeded
+    again = SamplingParams(temperature=1.0).with_resolved_seed()
+    assert (_draws(again, n=64) == _draws(SamplingParams(temperature=1.0, seed=again.seed), n=64)).all()
+
+
+def test_arrays_refuse_an_unresolved_seed() -> None:
+    """Each step builds the arrays afresh: resolving there would give a request new noise at
+    every step, so the arrays insist that the caller resolved the seed once, at the request."""
+    with pytest.raises(ValueError, match=r"rows \[1\] have seed=None.*with_resolved_seed"):
+        SamplingArrays.from_params([SamplingParams(seed=1), SamplingParams(temperature=0.5)])
+    padded = SamplingArrays.from_params([SamplingParams(seed=7)], batch=3)  # padding is seeded
+    assert np.asarray(padded.seeds).tolist() == [7, 0, 0]
