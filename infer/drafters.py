@@ -42,9 +42,9 @@ from infer.kv_cache import AttentionMetadata
 from infer.model import Llama
 from infer.page_allocator import SequencePages
 from infer.paged_cache import PagedKVCache
-from infer.sampling import SamplingArrays, SamplingParams, row_keys, warp_logits
+from infer.sampling import SamplingArrays, row_keys, warp_logits
 from infer.scheduler import PrefillChunk, SeqState
-from infer.runner import page_tables
+from infer.runner import paged_metadata
 
 if TYPE_CHECKING:
     from infer.runner import RunnerConfig
@@ -124,9 +124,9 @@ class _ModelProposer:
         for i in active:
             self._catch_up_long(seqs[i])
         width = self.config.window_for(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
-        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width)
         limits_arr = np.zeros(rows, np.int32)
         limits_arr[:len(limits)] = limits
+        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width, limits_arr)
         params = [s.request.params for s in seqs]
         sampling = SamplingArrays.from_params(params, batch=rows)
         sampled = any(not p.greedy for p in params)
@@ -177,18 +177,16 @@ class _ModelProposer:
             end = min(last, track.valid + self.config.max_prefill_tokens)
             t = bucket_for(end - track.valid, self.config.prefill_buckets)
             width = self.config.window_for(max(end, seq.pages.capacity))
-            cached = np.array([track.valid], np.int32)
-            q_lens = np.array([end - track.valid], np.int32)
-            meta = AttentionMetadata(
-                positions=jnp.asarray(cached[:, None] + np.arange(t, dtype=np.int32)[None]),
-                lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
-                page_tables=jnp.asarray(page_tables([seq], 1, width)))
+            meta = paged_metadata([seq], 1, width, np.array([track.valid], np.int32),
+                                  np.array([end - track.valid], np.int32), t)
             self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
                                        meta)
             track.valid = end
 
     def _chain_inputs(self, seqs: Sequence[SeqState], rows_of: Sequence[int], rows: int,
-                      width: int) -> tuple:
+                      width: int, limits: np.ndarray) -> tuple:
+        """The chain's inputs: each row's catch-up rows, then its metadata, checked for the
+        chain's writes too (it feeds back drafts 1 .. limit-1 at the slots after the catch-up)."""
         w = self.catch_up_width
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
@@ -200,36 +198,30 @@ class _ModelProposer:
             for buffer, values in zip(row_inputs, self._rows(seq, track, track.valid, end, w)):
                 buffer[i] = values[0]
             track.valid = end
-        positions = cached[:, None] + np.arange(w, dtype=np.int32)[None]
-        meta = AttentionMetadata(positions=jnp.asarray(positions),
-                                 lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
-                                 page_tables=jnp.asarray(page_tables(seqs, rows, width, rows_of)))
-        return (*[jnp.asarray(b) for b in row_inputs], meta)
+        write_ends = cached + q_lens + np.maximum(limits - 1, 0)
+        meta = paged_metadata(seqs, rows, width, cached, q_lens, w, rows_of, write_ends)
+        return (*[jax.device_put(b) for b in row_inputs], meta)
 
     # -- warm-up --------------------------------------------------------------------------------
 
     def warmup(self) -> int:
-        """Runs every shape a serving run can use, with nothing written; returns the count."""
+        """Runs every shape a serving run can use, with nothing written, through the input
+        builders a run uses (a host-to-device copy of a new shape is a program too); returns
+        the count."""
         count = 0
         for width in self.config.window_buckets:
-            tables = jnp.zeros((1, width), jnp.int32)
+            zero = np.zeros(1, np.int32)
             for t in self.config.prefill_buckets:
-                meta = AttentionMetadata(positions=jnp.zeros((1, t), jnp.int32),
-                                         lengths=jnp.zeros(1, jnp.int32),
-                                         q_lens=jnp.zeros(1, jnp.int32), page_tables=tables)
-                rows = [jnp.zeros((1, t, *shape), dtype) for shape, dtype in self._row_spec()]
-                self.cache = self._forward(self.cache, *rows, meta)
+                rows = [np.zeros((1, t, *shape), dtype) for shape, dtype in self._row_spec()]
+                self.cache = self._forward(self.cache, *rows,
+                                           paged_metadata([], 1, width, zero, zero, t))
                 count += 1
             for rows in self.config.decode_buckets:
                 zeros = np.zeros(rows, np.int32)
-                w = self.catch_up_width
-                meta = AttentionMetadata(
-                    positions=jnp.zeros((rows, w), jnp.int32), lengths=jnp.asarray(zeros),
-                    q_lens=jnp.asarray(zeros), page_tables=jnp.zeros((rows, width), jnp.int32))
-                inputs = [jnp.zeros((rows, w, *shape), dtype) for shape, dtype in self._row_spec()]
-                sampling = SamplingArrays.from_params([SamplingParams()] * rows)
+                inputs = self._chain_inputs([], [], rows, width, zeros)
+                sampling = SamplingArrays.from_params([], batch=rows)
                 for sampled in (False, True):
-                    *_, self.cache = self._chain(self.cache, *inputs, meta, jnp.asarray(zeros),
+                    *_, self.cache = self._chain(self.cache, *inputs, jnp.asarray(zeros),
                                                  sampling, jnp.asarray(zeros), self.k, sampled)
                     count += 1
         return count

@@ -13,11 +13,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from numpy.typing import ArrayLike
 
 from infer import attention
+
+
+def check_writes(starts: ArrayLike, ends: ArrayLike, capacity: ArrayLike,
+                 names: Sequence[str] | None = None) -> None:
+    """Raises ValueError naming each row (and `names[row]`, e.g. its request) whose writes,
+    slots [starts, ends) per row, do not lie in [0, capacity) (per row, or one for all); rows
+    with ends <= starts write nothing.
+
+    The one bounds check of every host caller that builds metadata (the runner, the proposers,
+    the simple loop, tree speculation) and of eager cache writes. It must run on the host: the
+    jitted write cannot raise, and out of range it drops (contiguous) or lands on another slot
+    (a paged row's table is padded with page 0), silently either way."""
+    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
+    capacity = np.broadcast_to(np.asarray(capacity), starts.shape)
+    bad = np.flatnonzero((ends > starts) & ((starts < 0) | (ends > capacity)))
+    if bad.size:
+        label = lambda b: f"row {b}" + (f" ({names[b]})" if names is not None else "")
+        rows = "; ".join(f"{label(b)} writes slots [{starts[b]}, {ends[b]}) but has room for "
+                         f"{capacity[b]}" for b in bad[:8])
+        more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
+        raise ValueError(f"write outside the KV cache: {rows}{more}")
+
+
+def is_concrete(meta: "AttentionMetadata") -> bool:
+    """Whether the metadata holds values (an eager call) rather than tracers (inside jit)."""
+    return not isinstance(meta.lengths, jax.core.Tracer)
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +122,11 @@ class KVCache:
         return _grow(self, max_len)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata) -> "KVCache":
+        """Stores the new tokens' keys and values. Slots past `max_len` raise when called eagerly;
+        under jit they would be dropped, so jitted callers check first (`check_writes`)."""
+        if is_concrete(meta):
+            lengths = np.asarray(meta.lengths)
+            check_writes(lengths - np.asarray(meta.q_lens), lengths, self.max_len)
         slots, valid = meta.new_token_slots()
         slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
         rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)

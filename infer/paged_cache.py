@@ -1,7 +1,7 @@
 """The paged KV cache: a pool of fixed-size pages per layer, read through per-sequence page tables.
 
 Layout per layer: `[P, G, K, Ds]` pages (P pages of G tokens, K kv heads, Ds stored head dim:
-D, or D/2 for int4), plus `[P, G, K, groups]` float32 scales for the quantized formats. Which
+D, or D/2 for int4), plus `[P, G, K, groups]` bfloat16 scales for the quantized formats. Which
 pages a sequence owns is the host's business (`infer.page_allocator`); on device a sequence is a
 row of `meta.page_tables`, and new tokens are written through the slot mapping
 `page * G + offset` that the metadata implies.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer import attention
-from infer.kv_cache import AttentionMetadata
+from infer.kv_cache import AttentionMetadata, check_writes, is_concrete
 from kernels_pallas import kv_quant
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_prefill_attention import paged_prefill_attention
@@ -53,9 +53,11 @@ class PagedKVCache:
         Scores q.k and the output are unchanged in exact arithmetic, but H spreads the few
         outlier channels of each head over all channels, so a per-vector scale fits far more
         of them. On SmolLM2 it raised int8's top-1 agreement with the float32 cache from 98.0%
-        to 99.6% and int4's from 79% to 87% (512 tokens, symmetric int4).
+        to 99.6% and int4's from 79% to 87% (512 tokens, symmetric int4). A head dim that is not
+        a power of two gets a block-diagonal H (see `_hadamard`); rotate=True on an odd head dim
+        raises here. kv_format may be an alias ("fp8"); the cache holds the canonical name.
         """
-        kv_quant.check_kv_format(kv_format)
+        kv_format = kv_quant.resolve_kv_format(kv_format)
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if num_pages < 1 or page_size < 1:
@@ -68,7 +70,9 @@ class PagedKVCache:
         scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), kv_quant.SCALE_DTYPE)
                                 for _ in range(num_layers))) if groups else (lambda: None)
         if rotate is None:
-            rotate = groups > 0 and head_dim & (head_dim - 1) == 0
+            rotate = groups > 0 and head_dim % 2 == 0
+        if rotate:
+            _hadamard(head_dim)  # an unsupported head dim fails now, not inside the first write
         return PagedKVCache(k=pages(), v=pages(), k_scales=scales(), v_scales=scales(),
                             kv_format=kv_format, backend=backend, rotate=rotate)
 
@@ -86,15 +90,24 @@ class PagedKVCache:
         return sum(a.nbytes for a in arrays)
 
     def _slots(self, meta: AttentionMetadata) -> jax.Array:
-        """[B, T] flat slot (page * G + offset) of each new token; padding points past the pool."""
-        g = self.page_size
+        """[B, T] flat slot (page * G + offset) of each new token; padding, and any token past
+        the row's table, points past the pool (dropped) rather than onto a page it does not own."""
+        g, width = self.page_size, meta.page_tables.shape[1]
         slots, valid = meta.new_token_slots()
-        index = jnp.clip(slots // g, 0, meta.page_tables.shape[1] - 1)
-        page = jnp.take_along_axis(meta.page_tables, index, axis=1)
-        return jnp.where(valid, page * g + slots % g, self.num_pages * g)
+        index = slots // g
+        inside = valid & (index >= 0) & (index < width)
+        page = jnp.take_along_axis(meta.page_tables, jnp.clip(index, 0, width - 1), axis=1)
+        return jnp.where(inside, page * g + slots % g, self.num_pages * g)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
               ) -> "PagedKVCache":
+        """Stores the new tokens' keys and values through the page tables. A slot past a row's
+        table raises when called eagerly; jitted callers, which alone know how many of the
+        table's pages a row really holds, check first (`check_writes`)."""
+        if is_concrete(meta):
+            lengths = np.asarray(meta.lengths)
+            check_writes(lengths - np.asarray(meta.q_lens), lengths,
+                         meta.page_tables.shape[1] * self.page_size)
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
         # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
@@ -155,13 +168,21 @@ class PagedKVCache:
         return kv_quant.dequantize(data, scales, self.kv_format, dtype)
 
 
+@functools.cache
 def _hadamard(d: int) -> np.ndarray:
+    """The orthonormal [d, d] rotation: Sylvester's Hadamard matrix when d is a power of two.
+    Otherwise block-diagonal, one Hadamard block per run of b consecutive channels, b the largest
+    power of two dividing d (d = 96: three blocks of 32): an outlier channel spreads over its
+    block instead of the whole head, rather than no rotation at all for head dims like 80 or 96."""
+    if not isinstance(d, (int, np.integer)) or d < 2 or d % 2:
+        raise ValueError(f"Hadamard rotation needs an even head dim, got {d}")
+    b = d & -d
     h = np.ones((1, 1))
-    while h.shape[0] < d:
+    while h.shape[0] < b:
         h = np.block([[h, h], [h, -h]])
-    if h.shape[0] != d:
-        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {d}")
-    return h / np.sqrt(d)
+    h = np.kron(np.eye(d // b), h / np.sqrt(b))
+    h.flags.writeable = False  # cached and shared
+    return h
 
 
 def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:

@@ -4,31 +4,33 @@ step on the paged cache, and returns the sampled tokens.
 Shapes are bucketed so that a serving run compiles a fixed set of programs, all during
 `warmup()`: decode rows pad to a power of two up to `max_num_seqs`, prefill chunks to a power of
 two up to `max_prefill_tokens`, and page tables to a power-of-two number of tokens (at least
-`MIN_WINDOW`) up to `max_model_len`. Padding rows have no valid token: their writes are dropped
-and their samples ignored. Sampling parameters and PRNG positions are arrays, never static.
+`min_window`) up to `max_model_len`. `Runner.shapes` lists every program those buckets make
+(`Shape`: prefill, decode or verify, with or without draft probabilities). Padding rows have no
+valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
+positions are arrays, never static.
+
+Every write is checked on the host before the step (`paged_metadata`): a row may write only
+into pages it holds, and a violation raises instead of corrupting another row's page.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from infer.buckets import bucket_for
-from infer.kv_cache import AttentionMetadata
+from infer.kv_cache import AttentionMetadata, check_writes
 from infer.model import Llama
 from infer.paged_cache import PagedKVCache, copy_pages
-from infer.sampling import SamplingArrays, SamplingParams
+from infer.sampling import SamplingArrays
 from infer.scheduler import PrefillChunk, SeqState, StepPlan
 
 if TYPE_CHECKING:
     from infer.proposers import Proposer
 from infer.steps import Steps
-
-MIN_WINDOW = 128  # smallest attention window in tokens
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -50,6 +52,14 @@ class RunnerConfig:
     max_prefill_tokens: int = 256
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
+    # Smallest attention window in tokens: shorter sequences still attend over this many slots,
+    # and each power of two above it up to max_model_len is one more set of programs.
+    min_window: int = 128
+
+    def __post_init__(self) -> None:
+        w = self.min_window
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+            raise ValueError(f"min_window must be a positive number of tokens, got {w!r}")
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -63,7 +73,7 @@ class RunnerConfig:
     def window_buckets(self) -> tuple[int, ...]:
         """Page-table widths in pages."""
         g = self.page_size
-        tokens = powers_of_two(min(MIN_WINDOW, self.max_model_len), self.max_model_len)
+        tokens = powers_of_two(min(self.min_window, self.max_model_len), self.max_model_len)
         return tuple(dict.fromkeys(-(-t // g) for t in tokens))
 
     def window_for(self, tokens: int) -> int:
@@ -71,14 +81,53 @@ class RunnerConfig:
         return bucket_for(-(-tokens // self.page_size), self.window_buckets)
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One compiled program of a serving run: which step, and the shapes that reach jit."""
+
+    kind: str  # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1)
+    rows: int
+    tokens: int  # per row
+    width: int  # page-table width in pages
+    draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
+
+
 def page_tables(seqs: Sequence[SeqState], rows: int, width: int,
                 row_of: Sequence[int] | None = None) -> np.ndarray:
     """[rows, width] page ids, sequence i in row `row_of[i]` (default i), zero-padded (padding
-    rows write nothing)."""
+    rows write nothing). Pages past `width` are left out: `paged_metadata` checks that no write
+    needs them."""
     tables = np.zeros((rows, width), np.int32)
     for i, s in zip(range(len(seqs)) if row_of is None else row_of, seqs):
-        tables[i, :len(s.pages.pages)] = s.pages.pages
+        held = s.pages.pages[:width]
+        tables[i, :len(held)] = held
     return tables
+
+
+def paged_metadata(seqs: Sequence[SeqState], rows: int, width: int, cached: np.ndarray,
+                   q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
+                   write_ends: np.ndarray | None = None) -> AttentionMetadata:
+    """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
+    `q_lens` [rows] of them valid, sequence i in row `row_of[i]` (default i), page tables
+    `width` pages wide.
+
+    First checks on the host that each row writes only slots of pages it holds and its table
+    shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which
+    writes past its metadata. Under jit a write past the table would be dropped and one past
+    the held pages would land in page 0 (the table's padding), another sequence's."""
+    row_of = range(len(seqs)) if row_of is None else row_of
+    capacity = np.zeros(rows, np.int64)
+    names = [""] * rows
+    for i, s in zip(row_of, seqs):
+        capacity[i] = min(len(s.pages.pages), width) * s.pages.page_size
+        names[i] = f"request {s.request.request_id!r}"
+    check_writes(cached, cached + q_lens if write_ends is None else write_ends, capacity, names)
+    positions = cached[:, None] + np.arange(tokens, dtype=np.int32)[None, :]
+    # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
+    return AttentionMetadata(
+        positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
+        q_lens=jax.device_put(q_lens),
+        page_tables=jax.device_put(page_tables(seqs, rows, width, row_of)))
 
 
 @dataclasses.dataclass
@@ -136,23 +185,22 @@ class Runner:
             return self._decode(plan.decode, plan.decode_width)
         return []
 
-    def _inputs(self, tokens: np.ndarray, cached: np.ndarray, q_lens: np.ndarray,
-                tables: np.ndarray, params: Sequence[SamplingParams], steps: np.ndarray) -> tuple:
-        """Device arrays for one step, built on the host: eager jnp arithmetic here would
-        compile small programs of its own for every new shape."""
+    def _inputs(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
+                q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple:
+        """Device arrays for one step, built on the host and moved by `jax.device_put`: eager
+        jnp here (arithmetic, even `jnp.asarray`) would compile small programs of its own for
+        every new shape, after warm-up."""
         b, t = tokens.shape
-        positions = cached[:, None] + np.arange(t, dtype=np.int32)[None, :]
-        meta = AttentionMetadata(positions=jnp.asarray(positions),
-                                 lengths=jnp.asarray(cached + q_lens), q_lens=jnp.asarray(q_lens),
-                                 page_tables=jnp.asarray(tables))
-        return (jnp.asarray(tokens), meta, SamplingArrays.from_params(params, batch=b),
-                jnp.asarray(steps))
+        meta = paged_metadata(seqs, b, width, cached, q_lens, t)
+        return (jax.device_put(tokens), meta,
+                SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
+                jax.device_put(steps))
 
-    def _run(self, *host_inputs: np.ndarray | Sequence[SamplingParams]
-             ) -> tuple[list[int], jax.Array]:
+    def _run(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
+             q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple[list[int], jax.Array]:
         """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
-        sampled, _, hidden, self.cache = self.steps.prefill_step(self.cache,
-                                                                 *self._inputs(*host_inputs))
+        sampled, _, hidden, self.cache = self.steps.prefill_step(
+            self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, steps))
         return np.asarray(sampled).tolist(), hidden
 
     def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
@@ -160,14 +208,12 @@ class Runner:
         t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
         width = self.config.window_for(max(c.start + len(c.token_ids) for c in chunks))
         tokens = np.zeros((rows, t), np.int32)
-        tables = page_tables([c.seq for c in chunks], rows, width)
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
         steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
-        sampled, hidden = self._run(tokens, cached, q_lens, tables,
-                                    [c.seq.request.params for c in chunks], steps)
+        sampled, hidden = self._run([c.seq for c in chunks], tokens, cached, q_lens, width, steps)
         if self.proposer is not None:
             self.proposer.observe_prefill(chunks, hidden)
         return sampled[:rows]
@@ -178,7 +224,6 @@ class Runner:
         # Pages reserved for drafts that were then not proposed count too: the table holds them.
         width = self.config.window_for(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
         tokens = np.zeros((rows, 1), np.int32)
-        tables = page_tables(seqs, rows, width)
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         steps = np.zeros(rows, np.int32)
@@ -186,8 +231,7 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
             cached[i], q_lens[i] = s.num_computed, 1
             steps[i] = len(s.request.output_ids)
-        sampled, hidden = self._run(tokens, cached, q_lens, tables,
-                                    [s.request.params for s in seqs], steps)
+        sampled, hidden = self._run(seqs, tokens, cached, q_lens, width, steps)
         out = [[t] for t in sampled[:len(seqs)]]
         if self.proposer is not None:
             self.proposer.commit(seqs, out, hidden)
@@ -210,12 +254,11 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
             steps[i] = len(s.request.output_ids)
-        tables = page_tables(seqs, rows, self.config.window_for(
-            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs))))
-        params = [s.request.params for s in seqs]
-        tok, meta, sampling, steps = self._inputs(tokens, cached, q_lens, tables, params, steps)
+        width = self.config.window_for(
+            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        tok, meta, sampling, steps = self._inputs(seqs, tokens, cached, q_lens, width, steps)
         accepted, emitted, hidden, self.cache = self.steps.verify_step(
-            self.cache, tok, meta, jnp.asarray(drafts), jnp.asarray(counts), draft_probs,
+            self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
             sampling, steps)
         accepted, emitted = np.asarray(accepted), np.asarray(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
@@ -226,44 +269,68 @@ class Runner:
 
     # -- compilation ----------------------------------------------------------------------------
 
-    def shapes(self) -> Iterator[tuple[int, int, int]]:
-        """Every (rows, tokens per row, page-table width) a serving run can use; rows of
-        k+1 tokens are speculative verification steps."""
+    def shapes(self) -> list[Shape]:
+        """Every step program a serving run can execute, listed from the buckets, not guessed
+        back from (rows, tokens): a one-row verify of k+1 tokens is its own program even when
+        k+1 is also a prefill chunk's bucket."""
         k = self.config.num_speculative_tokens
+        probs = [False]
+        if k and self.proposer.samples_drafts:
+            probs.append(True)  # sampled drafts come with their probabilities: one more program
+        out = []
         for width in self.config.window_buckets:
             for rows in self.config.decode_buckets:
-                yield rows, 1, width
-                if k:
-                    yield rows, k + 1, width
-            for t in self.config.prefill_buckets:
-                yield 1, t, width
+                out.append(Shape("decode", rows, 1, width))
+                out += [Shape("verify", rows, k + 1, width, p) for p in probs if k]
+            # A one-token chunk runs the one-row decode program (same step, same shapes).
+            out += [Shape("prefill", 1, t, width) for t in self.config.prefill_buckets if t > 1]
+        return out
 
-    def _dummy(self, rows: int, t: int, width: int) -> tuple:
-        """Inputs of one shape with no valid token: nothing is written, samples are ignored."""
+    def page_copy_sizes(self) -> tuple[int, ...]:
+        """The padded lengths `copy_pages` can be called with: powers of two up to the most
+        pages one step writes (a copy-on-write copies only pages the step writes into)."""
+        c = self.config
+        spanned = lambda tokens: -(-(tokens - 1) // c.page_size) + 1  # pages `tokens` can touch
+        most = max(spanned(c.max_prefill_tokens),
+                   c.max_num_seqs * spanned(c.num_speculative_tokens + 1))
+        return powers_of_two(1, 1 << (min(most, c.num_pages) - 1).bit_length())
+
+    def _dummy(self, shape: Shape) -> tuple:
+        """Step arguments of one shape with no valid token: nothing is written, samples are
+        ignored. Verify steps get (drafts, counts, draft_probs) after the metadata."""
+        rows, t = shape.rows, shape.tokens
         zeros = np.zeros(rows, np.int32)
-        return (np.zeros((rows, t), np.int32), zeros, zeros, np.zeros((rows, width), np.int32),
-                [SamplingParams()] * rows, zeros)
+        tok, meta, sampling, steps = self._inputs([], np.zeros((rows, t), np.int32), zeros,
+                                                  zeros, shape.width, zeros)
+        if shape.kind != "verify":
+            return tok, meta, sampling, steps
+        k = t - 1
+        probs = (jax.device_put(np.zeros((rows, k, self.steps.config.vocab_size), np.float32))
+                 if shape.draft_probs else None)
+        return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
+                probs, sampling, steps)
+
+    def _run_shape(self, shape: Shape) -> None:
+        args = self._dummy(shape)
+        step = self.steps.verify_step if shape.kind == "verify" else self.steps.prefill_step
+        *_, self.cache = step(self.cache, *args)
 
     def warmup(self, progress: bool = False, threads: int = 2) -> int:
-        """Compiles every bucket; returns the number of programs.
+        """Compiles every program a serving run can execute (`shapes`, the page copies, and the
+        proposer's own); returns their number.
 
         With JAX's persistent compilation cache on (`infer.platform.enable_compilation_cache`),
-        the programs are first compiled ahead of time on `threads` threads into that cache;
+        the step programs are first compiled ahead of time on `threads` threads into that cache;
         each is then run once, which loads it. Without it, each is compiled as it is run.
         """
-        shapes = list(self.shapes())
+        shapes = self.shapes()
         if jax.config.jax_compilation_cache_dir and threads > 1:
             import concurrent.futures
 
-            def compile_one(shape: tuple[int, int, int]) -> None:
-                args = self._inputs(*self._dummy(*shape))
-                if self._is_verify(*shape):
-                    rows, k = shape[0], self.config.num_speculative_tokens
-                    self.steps.lower_verify(self.cache, args[0], args[1],
-                                            jnp.zeros((rows, k), jnp.int32),
-                                            jnp.zeros(rows, jnp.int32), None, *args[2:]).compile()
-                else:
-                    self.steps.lower_prefill(self.cache, *args).compile()
+            def compile_one(shape: Shape) -> None:
+                lower = self.steps.lower_verify if shape.kind == "verify" else \
+                    self.steps.lower_prefill
+                lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
                 list(pool.map(compile_one, shapes))
@@ -272,28 +339,11 @@ class Runner:
             from tqdm import tqdm
             todo = tqdm(shapes, desc="compiling buckets", leave=False)
         for shape in todo:
-            self._run_shape(*shape)
-        return len(shapes) + (self.proposer.warmup() if self.proposer is not None else 0)
-
-    def _is_verify(self, rows: int, t: int, width: int) -> bool:
-        return t > 1 and t == self.config.num_speculative_tokens + 1 and (
-            rows > 1 or t not in self.config.prefill_buckets)
-
-    def _run_shape(self, rows: int, t: int, width: int) -> None:
-        k = self.config.num_speculative_tokens
-        if not self._is_verify(rows, t, width):
-            self._run(*self._dummy(rows, t, width))
-            return
-        tok, meta, sampling, steps = self._inputs(*self._dummy(rows, t, width))
-        zeros = jnp.zeros(rows, jnp.int32)
-        # Deterministic drafts come without probabilities; sampled ones with them: two programs.
-        probs = [None]
-        if self.proposer.samples_drafts:
-            probs.append(jnp.zeros((rows, k, self.steps.config.vocab_size), jnp.float32))
-        for draft_probs in probs:
-            *_, self.cache = self.steps.verify_step(self.cache, tok, meta,
-                                                    jnp.zeros((rows, k), jnp.int32), zeros,
-                                                    draft_probs, sampling, steps)
+            self._run_shape(shape)
+        copies = self.page_copy_sizes()
+        for n in copies:  # copies onto page num_pages are dropped: the pool is unchanged
+            self.cache = copy_pages(self.cache, [0] * n, [self.config.num_pages] * n)
+        return len(shapes) + len(copies) + (self.proposer.warmup() if self.proposer else 0)
 
     @property
     def kv_bytes(self) -> int:

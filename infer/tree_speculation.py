@@ -21,15 +21,18 @@ levels costs a few rows of one layer. Keeping them cached instead and adding one
 would not work with one cache: the attention shows every cached slot before a call's first new
 row, siblings included, so each branch would need a cache of its own.
 
-Everything a step needs stays on device. The jitted pieces are built once per model structure
-and tree shape (fixed shapes: no compile per step or per prompt, beyond one prefill per
-power-of-two prompt bucket), and `step` fuses draft + verify + compaction into one dispatch.
+Everything a step needs stays on device. A `TreeSpeculator` holds its jitted pieces (fixed
+shapes: no compile per step or per prompt, beyond one prefill per power-of-two prompt bucket),
+and `step` fuses draft + verify + compaction into one dispatch; `PlainGenerator` holds the
+baseline's. Nothing is cached per process: a caller that generates more than once keeps the
+object, and dropping it frees the programs and the models they were built for. The caches'
+bounds are checked on the host before each call (`check_writes`): out of range, the jitted
+writes would drop tokens and the compaction would clamp onto other slots, silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -40,7 +43,7 @@ from flax import nnx
 
 from infer.buckets import next_power_of_two
 from infer.eagle import EagleHead
-from infer.kv_cache import AttentionMetadata, KVCache
+from infer.kv_cache import AttentionMetadata, KVCache, check_writes
 from infer.model import Llama
 from infer.speculative import path_tokens, verify_tree_greedy, verify_tree_sampled
 
@@ -101,10 +104,8 @@ def _binder(graphs: tuple):
     return bind
 
 
-@functools.lru_cache(maxsize=None)
 def _tree_programs(graphs: tuple, branches: int, depth: int):
-    """Jitted (draft, verify, step) for one model structure and tree shape: speculators over
-    equal structures (another instance, another prompt) share the compiled programs."""
+    """Jitted (draft, verify, step) for one model structure and tree shape."""
     bind = _binder(graphs)
     parents = full_tree(branches, depth)
     node_depth = _depths(parents)
@@ -177,10 +178,8 @@ def _tree_programs(graphs: tuple, branches: int, depth: int):
             jax.jit(step, static_argnums=4, donate_argnums=1))
 
 
-@functools.lru_cache(maxsize=None)
 def _prefill_program(graphs: tuple, depth: int, max_len: int):
-    """Jitted prefill (independent of the tree's branching: a chain and a tree of one depth
-    share it)."""
+    """Jitted prefill of the target and the head over a prompt."""
     bind = _binder(graphs)
 
     def prefill(params, tokens, length, temperature, seed, sampled):
@@ -215,7 +214,8 @@ def _prefill_program(graphs: tuple, depth: int, max_len: int):
 class TreeSpeculator:
     """EAGLE tree (or chain, `branches=1`) speculation for one target and head, caches of
     `max_len` slots. The head and target weights are read once, here (later edits are unseen);
-    their structure is closed over and their arrays are passed as arguments, as in `Steps`."""
+    their structure is closed over and their arrays are passed as arguments, as in `Steps`.
+    It holds its compiled programs: generate through one object to compile once."""
 
     def __init__(self, target: Llama, head: EagleHead, branches: int, depth: int,
                  max_len: int = 512) -> None:
@@ -248,13 +248,21 @@ class TreeSpeculator:
                              jnp.float32(max(temperature, 1e-6)), jnp.uint32(seed),
                              temperature > 0)
 
+    def _check_room(self, state: SpecState) -> None:
+        """Draft, verify and step write slots [length, length + N) of both caches (the head's
+        catch-up rows lie below length)."""
+        length = int(state.length)
+        check_writes(length, length + self.num_nodes, self.max_len)
+
     def draft(self, state: SpecState) -> tuple[jax.Array, KVCache]:
         """The candidate tree's tokens [N] (order of `self.parents`) and the head's cache."""
+        self._check_room(state)
         return self._draft(self.params, state)
 
     def verify(self, state: SpecState, tree_tokens: jax.Array, temperature: float = 0.0,
                seed: int = 0) -> tuple[SpecState, jax.Array, jax.Array]:
         """Verifies a given tree (root: `state.root`); donates `state`."""
+        self._check_room(state)
         return self._verify(self.params, state, jnp.asarray(tree_tokens, jnp.int32),
                             jnp.float32(max(temperature, 1e-6)), jnp.uint32(seed),
                             temperature > 0)
@@ -263,6 +271,7 @@ class TreeSpeculator:
              ) -> tuple[SpecState, jax.Array, jax.Array]:
         """Draft + verify + compaction in one dispatch; donates `state`. Returns (state,
         emitted [depth+1], accepted candidates)."""
+        self._check_room(state)
         return self._step(self.params, state, jnp.float32(max(temperature, 1e-6)),
                           jnp.uint32(seed), temperature > 0)
 
@@ -314,19 +323,6 @@ def compact(cache: KVCache, length: jax.Array, path: jax.Array) -> KVCache:
     return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
-# Each speculator holds its target and head, so the ids in the keys cannot be reused.
-_SPECULATORS: dict[tuple, TreeSpeculator] = {}
-
-
-def speculator(target: Llama, head: EagleHead, branches: int, depth: int,
-               max_len: int = 512) -> TreeSpeculator:
-    """The TreeSpeculator of these models and shape, built (and compiled) once per process."""
-    key = (id(target), id(head), branches, depth, max_len)
-    if key not in _SPECULATORS:
-        _SPECULATORS[key] = TreeSpeculator(target, head, branches, depth, max_len)
-    return _SPECULATORS[key]
-
-
 def eagle_generate(target: Llama, head: EagleHead, prompt_ids: Sequence[int],
                    max_new_tokens: int, *, branches: int, depth: int, temperature: float = 0.0,
                    seed: int = 0, eos_ids: Sequence[int] = (), max_len: int | None = None
@@ -334,69 +330,86 @@ def eagle_generate(target: Llama, head: EagleHead, prompt_ids: Sequence[int],
     """Generates with EAGLE tree speculation (`branches=1`: a chain of `depth` drafts); exact:
     greedy output equals the target's greedy decoding, sampled output follows its distribution
     at `temperature`. Returns (token ids, stats: see `TreeSpeculator.generate`). `max_len` (the
-    caches' slots) defaults to a power of two >= 256 that fits; the jitted steps are reused
-    across calls with the same models, tree and max_len."""
+    caches' slots) defaults to a power of two >= 256 that fits. One call, one compilation:
+    to generate more than once, keep a `TreeSpeculator`."""
     need = len(prompt_ids) + max_new_tokens + sum(branches ** d for d in range(depth + 1))
-    spec = speculator(target, head, branches, depth, max_len or next_power_of_two(need, 256))
+    spec = TreeSpeculator(target, head, branches, depth, max_len or next_power_of_two(need, 256))
     return spec.generate(prompt_ids, max_new_tokens, temperature=temperature, seed=seed,
                          eos_ids=eos_ids)
 
 
-@functools.lru_cache(maxsize=None)
-def _plain_steps(graphdef, treedef, max_len: int):
-    """Jitted prefill and decode of plain generation over a contiguous cache of max_len."""
-    def bind(leaves):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+class PlainGenerator:
+    """The baseline over the same contiguous cache layout: one target step per token, caches of
+    `max_len` slots. Like `TreeSpeculator`, it reads the weights once and holds its compiled
+    prefill and decode: generate through one object to compile once."""
 
-    def pick(logits, temperature, seed, index, sampled):
-        if not sampled:
-            return jnp.argmax(logits).astype(jnp.int32)
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    def __init__(self, target: Llama, max_len: int = 512) -> None:
+        self.max_len = max_len
+        graphdef, state = nnx.split(target)
+        self.params, treedef = jax.tree.flatten(state)
 
-    def prefill(params, tokens, length, temperature, seed, sampled):
-        model = bind(params)
-        c = model.config
-        cache = KVCache.create(c.num_layers, 1, max_len, c.num_kv_heads, c.head_dim)
-        meta = AttentionMetadata.for_prefill(length[None], tokens.shape[0])
-        logits, _, cache = model(tokens[None], cache, meta, logit_index=(length - 1)[None, None])
-        return pick(logits[0, 0], temperature, seed, 0, sampled), cache
+        def bind(leaves):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-    def decode(params, cache, token, length, index, temperature, seed, sampled):
-        logits, _, cache = bind(params)(token[None, None], cache,
-                                        AttentionMetadata.for_decode(length[None]))
-        return pick(logits[0, 0], temperature, seed, index, sampled), cache
+        def pick(logits, temperature, seed, index, sampled):
+            if not sampled:
+                return jnp.argmax(logits).astype(jnp.int32)
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
-    return (jax.jit(prefill, static_argnums=5),
-            jax.jit(decode, static_argnums=7, donate_argnums=1))
+        def prefill(params, tokens, length, temperature, seed, sampled):
+            model = bind(params)
+            c = model.config
+            cache = KVCache.create(c.num_layers, 1, max_len, c.num_kv_heads, c.head_dim)
+            meta = AttentionMetadata.for_prefill(length[None], tokens.shape[0])
+            logits, _, cache = model(tokens[None], cache, meta,
+                                     logit_index=(length - 1)[None, None])
+            return pick(logits[0, 0], temperature, seed, 0, sampled), cache
+
+        def decode(params, cache, token, length, index, temperature, seed, sampled):
+            logits, _, cache = bind(params)(token[None, None], cache,
+                                            AttentionMetadata.for_decode(length[None]))
+            return pick(logits[0, 0], temperature, seed, index, sampled), cache
+
+        self._prefill = jax.jit(prefill, static_argnums=5)
+        self._decode = jax.jit(decode, static_argnums=7, donate_argnums=1)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                 temperature: float = 0.0, seed: int = 0, eos_ids: Sequence[int] = ()
+                 ) -> tuple[list[int], dict[str, float]]:
+        """Generated token ids (at most max_new_tokens, stopping after an eos id) and stats:
+        prefill_s, decode_s, decode_tok_s, decode_step_s."""
+        n, max_len = len(prompt_ids), self.max_len
+        if n + max_new_tokens > max_len:
+            raise ValueError(f"{n} prompt + {max_new_tokens} new tokens exceed max_len={max_len}")
+        p = min(next_power_of_two(n, 16), max_len)
+        tokens = np.zeros(p, np.int32)
+        tokens[:n] = prompt_ids
+        temp, sd, sampled = jnp.float32(max(temperature, 1e-6)), jnp.uint32(seed), temperature > 0
+        start = time.perf_counter()
+        token, cache = self._prefill(self.params, jnp.asarray(tokens), jnp.int32(n), temp, sd,
+                                     sampled)
+        out = [int(token)]
+        prefill_s = time.perf_counter() - start
+        start, stop = time.perf_counter(), set(eos_ids)
+        while len(out) < max_new_tokens and out[-1] not in stop:
+            length = n + len(out) - 1  # the slot the fed token is written to
+            check_writes(length, length + 1, max_len)
+            token, cache = self._decode(self.params, cache, token, jnp.int32(length),
+                                        jnp.int32(len(out)), temp, sd, sampled)
+            out.append(int(token))
+        decode_s = time.perf_counter() - start
+        steps = len(out) - 1
+        return out, {"prefill_s": prefill_s, "decode_s": decode_s,
+                     "decode_tok_s": steps / decode_s if decode_s > 0 else float("nan"),
+                     "decode_step_s": decode_s / steps if steps else float("nan")}
 
 
 def plain_generate(target: Llama, prompt_ids: Sequence[int], max_new_tokens: int, *,
                    temperature: float = 0.0, seed: int = 0, eos_ids: Sequence[int] = (),
                    max_len: int = 512) -> tuple[list[int], dict[str, float]]:
-    """The baseline over the same contiguous cache layout: one target step per token. Stats:
-    prefill_s, decode_s, decode_tok_s, decode_step_s."""
-    graphdef, state = nnx.split(target)
-    leaves, treedef = jax.tree.flatten(state)
-    prefill, decode = _plain_steps(graphdef, treedef, max_len)
-    n = len(prompt_ids)
-    if n + max_new_tokens > max_len:
-        raise ValueError(f"{n} prompt + {max_new_tokens} new tokens exceed max_len={max_len}")
-    p = min(next_power_of_two(n, 16), max_len)
-    tokens = np.zeros(p, np.int32)
-    tokens[:n] = prompt_ids
-    temp, sd, sampled = jnp.float32(max(temperature, 1e-6)), jnp.uint32(seed), temperature > 0
-    start = time.perf_counter()
-    token, cache = prefill(leaves, jnp.asarray(tokens), jnp.int32(n), temp, sd, sampled)
-    out = [int(token)]
-    prefill_s = time.perf_counter() - start
-    start, stop = time.perf_counter(), set(eos_ids)
-    while len(out) < max_new_tokens and out[-1] not in stop:
-        token, cache = decode(leaves, cache, token, jnp.int32(n + len(out) - 1),
-                              jnp.int32(len(out)), temp, sd, sampled)
-        out.append(int(token))
-    decode_s = time.perf_counter() - start
-    steps = len(out) - 1
-    return out, {"prefill_s": prefill_s, "decode_s": decode_s,
-                 "decode_tok_s": steps / decode_s if decode_s > 0 else float("nan"),
-                 "decode_step_s": decode_s / steps if steps else float("nan")}
+    """`PlainGenerator(target, max_len).generate(...)`: one call, one compilation (keep a
+    `PlainGenerator` to generate more than once)."""
+    return PlainGenerator(target, max_len).generate(prompt_ids, max_new_tokens,
+                                                    temperature=temperature, seed=seed,
+                                                    eos_ids=eos_ids)

@@ -45,3 +45,34 @@ def hf_smollm2(smollm2_path: str):
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
         dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The `tiny` preset with random weights, float32: fast engines whose exactness does not
+    depend on real weights."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from infer.config import get_config
+    from infer.model import Llama
+    return Llama(get_config("tiny"), jnp.float32, nnx.Rngs(3))
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory) -> dict[str, str]:
+    """A random draft and a random EAGLE head for `tiny_model`: exactness must not depend on how
+    good the proposals are."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from infer.config import get_config
+    from infer.draft import draft_config, save_draft
+    from infer.eagle import EagleHead, save_eagle
+    from infer.model import Llama
+    tiny = get_config("tiny")
+    root = tmp_path_factory.mktemp("tiny_weights")
+    paths = {"draft": str(root / "draft.safetensors"), "eagle": str(root / "eagle.safetensors")}
+    save_draft(Llama(draft_config(tiny, 1), jnp.float32, nnx.Rngs(6)), paths["draft"])
+    save_eagle(EagleHead(tiny, jnp.float32, nnx.Rngs(5)), paths["eagle"])
+    return paths

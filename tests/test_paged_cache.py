@@ -123,6 +123,24 @@ def test_copy_pages_copies_every_layer_and_nothing_else() -> None:
         np.testing.assert_array_equal(np.asarray(new), expected)
 
 
+def test_write_past_the_page_table_raises_eagerly_and_is_dropped_under_jit() -> None:
+    """Row 0's table has two pages (slots 0..7); a write of slots 6..8 raises when called
+    eagerly. Under jit, which cannot raise (the host callers check first), slot 8 is dropped:
+    it used to be clipped onto the table's last page, overwriting that page's slot 0."""
+    g = 4
+    cache = _paged(10, g)
+    tables = jnp.asarray([[7, 2]], jnp.int32)
+    meta = AttentionMetadata.for_prefill(jnp.asarray([3]), 3, cached=jnp.asarray([6]),
+                                         page_tables=tables)
+    k = jax.random.normal(jax.random.key(0), (1, 3, CONFIG.num_kv_heads, CONFIG.head_dim))
+    with pytest.raises(ValueError, match=r"row 0 writes slots \[6, 9\) but has room for 8"):
+        cache.write(0, k, k, meta)
+    out = jax.jit(lambda c, m: c.write(0, k, k, m))(cache, meta)
+    expected = np.zeros_like(np.asarray(cache.k[0]))
+    expected[2, 2:4] = np.asarray(k[0, :2])  # slots 6, 7: page 2, offsets 2 and 3
+    np.testing.assert_array_equal(np.asarray(out.k[0]), expected)
+
+
 def test_bad_cache_arguments() -> None:
     with pytest.raises(ValueError, match="unsupported kv_format 'int3'"):
         _paged(4, 4, "int3")

@@ -3,11 +3,15 @@ after a step are what plain passes over the accepted tokens write.
 
 "Plain greedy" is checked by one teacher-forced pass (every generated token is the target's
 argmax after the tokens before it), which compiles one program per model where a decoding
-loop compiles two: the compiles are most of this file's time."""
+loop compiles two: the compiles are most of this file's time. The tests share speculators
+through a module fixture, each compiled once (nothing is cached per process)."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +22,8 @@ from infer.config import get_config
 from infer.eagle import EagleHead, assign_params, named_params
 from infer.kv_cache import AttentionMetadata, KVCache
 from infer.model import Llama
-from infer.tree_speculation import eagle_generate, full_tree, plain_generate, speculator
+from infer.tree_speculation import (PlainGenerator, TreeSpeculator, eagle_generate, full_tree,
+                                    plain_generate)
 
 CONFIG = get_config("tiny")
 
@@ -52,6 +57,21 @@ def oracle() -> tuple[Llama, EagleHead]:
     return target, head
 
 
+@pytest.fixture(scope="module")
+def speculators(tiny, oracle) -> Callable[[str, int, int], TreeSpeculator]:
+    """speculators(models, branches, depth): the module's TreeSpeculator over `tiny` ("random")
+    or `oracle` models with caches of MAX_LEN, built on first use and then shared."""
+    built: dict[tuple[str, int, int], TreeSpeculator] = {}
+
+    def get(models: str, branches: int, depth: int) -> TreeSpeculator:
+        if (models, branches, depth) not in built:
+            target, head = tiny if models == "random" else oracle
+            built[models, branches, depth] = TreeSpeculator(target, head, branches, depth,
+                                                            MAX_LEN)
+        return built[models, branches, depth]
+    return get
+
+
 def test_full_tree_layout() -> None:
     assert full_tree(2, 3).tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     assert full_tree(1, 3).tolist() == [-1, 0, 1, 2]
@@ -78,11 +98,10 @@ def _is_greedy(target: Llama, prompt: list[int], generated: list[int], width: in
 
 @pytest.mark.parametrize("models,branches,depth",
                          [("random", 2, 3), ("oracle", 2, 3), ("oracle", 1, 3)])
-def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, models, branches,
-                                                        depth) -> None:
-    target, head = tiny if models == "random" else oracle
-    got, stats = eagle_generate(target, head, PROMPT, 40, branches=branches, depth=depth,
-                                max_len=MAX_LEN)
+def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators, models,
+                                                        branches, depth) -> None:
+    target = (tiny if models == "random" else oracle)[0]
+    got, stats = speculators(models, branches, depth).generate(PROMPT, 40)
     assert len(got) == 40 and len(set(got)) > 10  # the check is not about one repeated token
     assert _is_greedy(target, PROMPT, got)
     # Steps emitted the 39 tokens after the first, the last step perhaps a few more.
@@ -91,20 +110,35 @@ def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, models, bra
         assert stats["mean_accepted"] > 1.0
 
 
-def test_plain_generate_is_greedy_and_stops_at_eos(tiny) -> None:
-    got, _ = plain_generate(tiny[0], PROMPT, 20, max_len=MAX_LEN)
+def test_plain_generate_is_greedy_and_stops_at_eos(tiny, speculators) -> None:
+    got, _ = PlainGenerator(tiny[0], MAX_LEN).generate(PROMPT, 20)
     assert _is_greedy(tiny[0], PROMPT, got)
-    tree, _ = eagle_generate(*tiny, PROMPT, 20, branches=2, depth=3, max_len=MAX_LEN,
-                             eos_ids=[got[5]])
+    tree, _ = speculators("random", 2, 3).generate(PROMPT, 20, eos_ids=[got[5]])
     assert tree == got[:got.index(got[5]) + 1]
 
 
-def test_sampled_at_low_temperature_is_greedy(oracle) -> None:
+def test_the_functions_keep_nothing_alive() -> None:
+    """`eagle_generate` and `plain_generate` build their programs per call and drop them (and
+    the models) after it: a process-wide cache kept every speculator, its models and their
+    compiled programs alive for good."""
+    config = CONFIG.replace(num_layers=1)
+    target, head = Llama(config, jnp.float32, nnx.Rngs(4)), EagleHead(config, jnp.float32,
+                                                                       nnx.Rngs(5))
+    target.embed.set_value(target.embed.get_value() * 0.05)
+    plain, _ = plain_generate(target, PROMPT, 6, max_len=64)
+    chain, _ = eagle_generate(target, head, PROMPT, 6, branches=1, depth=1, max_len=64)
+    assert chain == plain
+    alive = [weakref.ref(target), weakref.ref(head)]
+    del target, head
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+
+
+def test_sampled_at_low_temperature_is_greedy(oracle, speculators) -> None:
     """The sampled rule with a near-point-mass target emits the greedy tokens (a smoke test of
     the sampled path; its exactness is tested in test_speculative)."""
-    target, head = oracle
-    got, stats = eagle_generate(target, head, PROMPT, 24, branches=2, depth=3, temperature=1e-4,
-                                seed=3, max_len=MAX_LEN)
+    target, _ = oracle
+    got, stats = speculators("oracle", 2, 3).generate(PROMPT, 24, temperature=1e-4, seed=3)
     assert _is_greedy(target, PROMPT, got) and stats["mean_accepted"] > 1.0
 
 
@@ -128,14 +162,14 @@ def _assert_slots_equal(got: KVCache, want: KVCache, slots: int) -> None:
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_cache_after_a_step_equals_a_plain_pass(tiny) -> None:
+def test_cache_after_a_step_equals_a_plain_pass(tiny, speculators) -> None:
     """A hand-built 2 x 3 tree whose greedy path runs through second children (nodes 2, 6, 14,
     in slots n+2, n+6, n+14): after verification the target's cache equals a plain prefill
     over the accepted tokens; after the next step's catch-up, so does the head's."""
     target, head = tiny
     # Greedy tokens (checked above): x_n, the three the tree holds, the bonus, ...
-    ref = eagle_generate(target, head, PROMPT, 12, branches=2, depth=3, max_len=MAX_LEN)[0]
-    spec = speculator(target, head, 2, 3, MAX_LEN)  # the one the test above compiled
+    spec = speculators("random", 2, 3)
+    ref = spec.generate(PROMPT, 12)[0]
     state = spec.prefill(PROMPT)
     assert int(state.root) == ref[0]
     state = dataclasses.replace(state, head_cache=spec.draft(state)[1])  # as `step` would
@@ -152,6 +186,18 @@ def test_cache_after_a_step_equals_a_plain_pass(tiny) -> None:
     state, emitted, accepted = spec.step(state)
     assert np.asarray(emitted)[:int(accepted) + 1].tolist() == ref[5:6 + int(accepted)]
     _assert_slots_equal(state.head_cache, want_head, n)
+
+
+def test_a_step_past_max_len_raises(speculators) -> None:
+    """A step writes the tree's 15 nodes after the cached tokens; with fewer than 15 slots left
+    it raises instead of dropping their KV (and compacting onto clamped slots)."""
+    spec = speculators("random", 2, 3)
+    state = spec.prefill(PROMPT)
+    full = dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes + 1))
+    for call in (spec.step, spec.draft, lambda s: spec.verify(s, np.zeros(spec.num_nodes))):
+        with pytest.raises(ValueError, match=rf"slots \[{MAX_LEN - 14}, {MAX_LEN + 1}\)"):
+            call(full)
+    spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
 
 
 def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2) -> None:
