@@ -17,7 +17,7 @@ flags.DEFINE_integer("max_tokens", 128, "tokens to generate at most")
 flags.DEFINE_float("temperature", 0.0, "0 is greedy")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass (1 disables)")
 flags.DEFINE_integer("top_k", 0, "top-k sampling (0 disables)")
-flags.DEFINE_integer("seed", 0, "PRNG seed of the sampler")
+flags.DEFINE_integer("seed", None, "PRNG seed of the sampler (default: a fresh one, printed)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
 flags.DEFINE_bool("ignore_eos", False, "keep generating past the end-of-sequence token")
 
@@ -43,7 +43,8 @@ def main(argv: list[str]) -> None:
     m = out.metrics
     decode_rate = (1 / m.tpot_s) if m.tpot_s else float("nan")
     print(f"\n[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated in "
-          f"{elapsed:.2f} s; TTFT {m.ttft_s * 1e3:.0f} ms; decode {decode_rate:.1f} tokens/s]",
+          f"{elapsed:.2f} s; TTFT {m.ttft_s * 1e3:.0f} ms; decode {decode_rate:.1f} tokens/s"
+          f"{f'; seed {out.seed}' if f.temperature > 0 else ''}]",
           file=sys.stderr)
 
 

@@ -69,43 +69,28 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
                   else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
-        for i, kw in enumerate(inputs):
-            self._check(i, kw, sampling_params[i])
-        ids = [self.engine.add_request(params=sp, **kw) for kw, sp in zip(inputs, sampling_params)]
+        # All or nothing: every request is made (tokenized and validated, once) before any is
+        # queued, so a bad prompt late in the batch leaves nothing behind.
+        requests = []
+        for i, (kw, sp) in enumerate(zip(inputs, sampling_params)):
+            try:
+                requests.append(self.engine.make_request(params=sp, **kw))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.submit(r) for r in requests]
+        finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=n, desc="requests")
         for out in self.engine.stream():
-            if bar is not None and out.finished:
-                bar.update(1)
+            if out.finished:
+                finished[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
-        return [self.engine.output(i) for i in ids]
-
-    def _check(self, index: int, request: dict, params: SamplingParams) -> None:
-        """The engine's own validation, run on every request before any is queued, with the
-        prompt's index in the message."""
-        try:
-            if "prompt" in request:
-                p = request["prompt"]
-                if not isinstance(p, str) or not p:
-                    raise ValueError("prompt is empty or not a string")
-                ids = self.tokenizer.encode(p)
-            else:
-                ids = list(request["prompt_token_ids"])
-                if not ids:
-                    raise ValueError("prompt is empty")
-            vocab = self.config.vocab_size
-            bad = [t for t in ids if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-            limit = self.engine.config.max_model_len
-            if len(ids) + params.max_tokens > limit:
-                raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} "
-                                 f"exceed max_model_len={limit}")
-        except ValueError as e:
-            raise ValueError(f"prompt {index}: {e}") from None
+        return [finished[i] for i in ids]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer.buckets import next_power_of_two
-from infer.kv_cache import AttentionMetadata, KVCache
+from infer.kv_cache import AttentionMetadata, KVCache, check_writes
 from infer.model import Llama
 from infer.paged_cache import PagedKVCache
+from infer.request import RequestLimits, validate_request
 from infer.sampling import SamplingArrays, SamplingParams
 from infer.steps import DecodeState, Steps
 
@@ -21,21 +22,21 @@ MIN_ATTEND = 128  # smallest attention window; each larger power of two is one m
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_len: int,
-                     max_new_tokens: Sequence[int]) -> None:
-    """Raises ValueError naming the prompt and the problem: empty, out-of-vocabulary ids, or
-    prompt plus requested tokens longer than the context."""
+                     sampling: Sequence[SamplingParams]) -> list[list[int]]:
+    """The engine's request check (`infer.request.validate_request`) on every prompt, with the
+    prompt's index in the message; returns the prompts as lists of ints."""
     if len(prompts) == 0:
         raise ValueError("no prompts given")
-    for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens)):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in prompt if not (0 <= int(t) < vocab_size)]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): "
-                             f"{bad[:5]}")
-        if len(prompt) + new > max_len:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_tokens={new} it needs "
-                             f"{len(prompt) + new} positions, more than the context of {max_len}")
+    if len(sampling) != len(prompts):
+        raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+    limits = RequestLimits(vocab_size=vocab_size, max_model_len=max_len)
+    checked = []
+    for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+        try:
+            checked.append(validate_request(prompt, params, limits))
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    return checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,14 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     """
     steps_fn = model if isinstance(model, Steps) else Steps(model)
     config = steps_fn.config
-    validate_prompts(prompts, config.vocab_size, config.max_position_embeddings,
-                     [max_new_tokens] * len(prompts))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    # The loop stops after max_new_tokens whatever each row's max_tokens says: check that.
+    sampling = [dataclasses.replace(p, max_tokens=max_new_tokens).with_resolved_seed()
+                for p in sampling]
+    prompts = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings,
+                               sampling)
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     prompt_len = next_power_of_two(int(lengths.max()), 16)
@@ -92,6 +99,8 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
     arrays = SamplingArrays.from_params(sampling)
     steps = jnp.zeros(batch, jnp.int32)
     meta = AttentionMetadata.for_prefill(lengths, prompt_len, page_tables=tables_for(prompt_len))
+    check_writes(0, lengths, cache.max_len if paged is None
+                 else meta.page_tables.shape[1] * paged.page_size)
     first, _, _, cache = steps_fn.prefill_step(cache, jnp.asarray(tokens), meta, arrays, steps)
     state = DecodeState(tokens=first, lengths=jnp.asarray(lengths), steps=steps + 1,
                         sampling=arrays, page_tables=meta.page_tables)
@@ -105,6 +114,10 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
                 cache = cache.resized(window)
             else:
                 state = dataclasses.replace(state, page_tables=tables_for(window))
+        # Rows advance together: each writes the slot after its own length so far.
+        check_writes(lengths + longest - lengths.max() - 1, lengths + longest - lengths.max(),
+                     cache.max_len if paged is None
+                     else state.page_tables.shape[1] * paged.page_size)
         state, _, cache = steps_fn.decode_step(cache, state)
         yield np.asarray(pending)
         pending = state.tokens

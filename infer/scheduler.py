@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Sequence
 
 from infer.page_allocator import OutOfPages, PageAllocator, SequencePages
 from infer.prefix_cache import PrefixCache
-from infer.request import FinishReason, Request
+from infer.request import FinishReason, Request, RequestLimits, validate_request
 
 POLICIES = ("continuous", "static")
 
@@ -154,6 +154,8 @@ class Scheduler:
         if prefix_cache is not None:
             allocator.set_reclaimer(prefix_cache.evict)
         self.clock = clock
+        self._limits = RequestLimits(max_model_len=config.max_model_len,
+                                     pool_tokens=allocator.num_pages * allocator.page_size)
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []
         self.seqs: dict[str, SeqState] = {}
@@ -167,15 +169,10 @@ class Scheduler:
     def add(self, request: Request) -> SeqState:
         if request.request_id in self.seqs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        need = len(request.prompt_token_ids) + request.params.max_tokens
-        if need > self.config.max_model_len:
-            raise ValueError(f"request {request.request_id!r}: {len(request.prompt_token_ids)} "
-                             f"prompt tokens + max_tokens={request.params.max_tokens} = {need} "
-                             f"exceed max_model_len={self.config.max_model_len}")
-        pages_needed = -(-need // self.allocator.page_size)
-        if pages_needed > self.allocator.num_pages:
-            raise ValueError(f"request {request.request_id!r} needs {pages_needed} pages, more "
-                             f"than the whole pool of {self.allocator.num_pages}")
+        try:
+            validate_request(request.prompt_token_ids, request.params, self._limits)
+        except ValueError as e:
+            raise ValueError(f"request {request.request_id!r}: {e}") from None
         seq = SeqState(request=request, pages=self.allocator.new_sequence())
         self.seqs[request.request_id] = seq
         self.waiting.append(seq)

@@ -6,59 +6,14 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 from infer.page_allocator import PageAllocator
 from infer.request import FinishReason, Request
 from infer.sampling import SamplingParams
 from infer.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan
-
-VOCAB = 97
-EOS = 0
-
-
-def next_token(tokens: list[int]) -> int:
-    """The mock model: a deterministic function of the whole sequence, never EOS by itself."""
-    h = 7
-    for t in tokens:
-        h = (h * 31 + t) % 1_000_003
-    return 1 + h % (VOCAB - 1)
-
-
-def reference(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq[len(prompt):]
-
-
-class MockRunner:
-    """Stores token ids in a fake paged KV cache and computes next tokens from what it reads."""
-
-    def __init__(self, allocator: PageAllocator) -> None:
-        self.kv = np.full((allocator.num_pages, allocator.page_size), -1, np.int64)
-        self.g = allocator.page_size
-
-    def _write(self, pages: list[int], pos: int, token: int) -> None:
-        self.kv[pages[pos // self.g], pos % self.g] = token
-
-    def _read(self, pages: list[int], n: int) -> list[int]:
-        return [int(self.kv[pages[p // self.g], p % self.g]) for p in range(n)]
-
-    def execute(self, plan: StepPlan) -> list[int]:
-        for src, dst in plan.page_copies:
-            self.kv[dst] = self.kv[src]
-        out = []
-        for chunk in plan.prefill:
-            for i, t in enumerate(chunk.token_ids):
-                self._write(chunk.seq.pages.pages, chunk.start + i, t)
-            out.append([next_token(self._read(chunk.seq.pages.pages,
-                                              chunk.start + len(chunk.token_ids)))])
-        for seq in plan.decode:
-            self._write(seq.pages.pages, seq.num_computed, seq.request.last_token_id)
-            out.append([next_token(self._read(seq.pages.pages, seq.num_computed + 1))])
-        return out
+from tests.mock_runner import EOS, VOCAB, alone as reference
+from tests.mock_runner import PageReadingRunner as MockRunner
 
 
 def tracked(sched: Scheduler) -> Scheduler:

@@ -12,86 +12,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from infer.page_allocator import PageAllocator
 from infer.prefix_cache import PrefixCache
 from infer.request import FinishReason, Request
 from infer.sampling import SamplingParams
-from infer.scheduler import Scheduler, SchedulerConfig, SeqState, StepPlan, Status
-
-VOCAB = 53
-
-
-def next_token(tokens: list[int]) -> int:
-    """The mock model: a deterministic function of the whole sequence (never EOS)."""
-    h = 11
-    for t in tokens:
-        h = (h * 131 + t) % 2_147_483_647
-    return 1 + h % (VOCAB - 1)
-
-
-def alone(prompt: list[int], n: int) -> list[int]:
-    """The tokens a request gets when it runs by itself."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq[len(prompt):]
-
-
-class SpeculativeMockRunner:
-    """A paged "KV cache" of token ids. Prefill chunks and decode rows write their tokens into
-    their pages and compute the next token from what they read back; a decode row with a draft
-    limit also writes drafts (right or wrong at random) and keeps those the model agrees
-    with, as exact verification does. A page mix-up, a lost page or a wrong rollback changes
-    the tokens read back, and so the outputs."""
-
-    def __init__(self, allocator: PageAllocator, rng: random.Random, p_right: float) -> None:
-        self.kv = np.full((allocator.num_pages, allocator.page_size), -1, np.int64)
-        self.g = allocator.page_size
-        self.rng = rng
-        self.p_right = p_right
-
-    def _write(self, seq: SeqState, pos: int, token: int) -> None:
-        pages = seq.pages.pages
-        assert pos < len(pages) * self.g, f"write at {pos} past the {len(pages)} pages held"
-        self.kv[pages[pos // self.g], pos % self.g] = token
-
-    def _read(self, seq: SeqState, n: int) -> list[int]:
-        pages = seq.pages.pages
-        return [int(self.kv[pages[p // self.g], p % self.g]) for p in range(n)]
-
-    def execute(self, plan: StepPlan) -> list[list[int]]:
-        # Gather before scattering: a copy's destination may be another copy's source.
-        copies = [(dst, self.kv[src].copy()) for src, dst in plan.page_copies]
-        for dst, data in copies:
-            self.kv[dst] = data
-        out = []
-        for chunk in plan.prefill:
-            for i, t in enumerate(chunk.token_ids):
-                self._write(chunk.seq, chunk.start + i, t)
-            out.append([next_token(self._read(chunk.seq, chunk.start + len(chunk.token_ids)))])
-        limits = plan.draft_limits or [0] * len(plan.decode)
-        for seq, limit in zip(plan.decode, limits):
-            true = seq.request.all_token_ids
-            drafts = []
-            for _ in range(limit):
-                right = next_token(true + drafts)
-                drafts.append(right if self.rng.random() < self.p_right
-                              else 1 + (right % (VOCAB - 1)))
-            fed = [seq.request.last_token_id] + drafts
-            for i, t in enumerate(fed):
-                self._write(seq, seq.num_computed + i, t)
-            emitted = []
-            for i in range(len(fed)):
-                target = next_token(self._read(seq, seq.num_computed + i + 1))
-                emitted.append(target)
-                if i == len(drafts) or drafts[i] != target:
-                    break
-            out.append(emitted)
-        return out
-
+from infer.scheduler import Scheduler, SchedulerConfig, Status
+from tests.mock_runner import VOCAB, PageReadingRunner, alone, next_token
 
 def check_pages(sched: Scheduler, cache: PrefixCache | None) -> None:
     """Every page is free, or its refcount equals its holders: sequences plus the cache."""
@@ -126,7 +54,7 @@ def run_stream(seed: int) -> dict[str, int]:
     cache = PrefixCache(allocator) if use_cache else None
     clock = iter(range(10**9))
     sched = Scheduler(config, allocator, clock=lambda: float(next(clock)), prefix_cache=cache)
-    runner = SpeculativeMockRunner(allocator, rng, p_right=rng.random())
+    runner = PageReadingRunner(allocator, rng, p_right=rng.random())
     capacity = num_pages * page_size
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 3 * page_size + 2))]
                 for _ in range(rng.randint(1, 3))]

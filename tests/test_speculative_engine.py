@@ -12,33 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from infer.config import get_config
-from infer.draft import draft_config, save_draft
-from infer.eagle import EagleHead, save_eagle
 from infer.engine import WEIGHTS_DIR, Engine, EngineConfig, SpeculativeConfig
 from infer.kv_cache import AttentionMetadata, KVCache
-from infer.model import Llama
 from infer.sampling import SamplingParams
 
 TINY = get_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> Llama:
-    return Llama(TINY, jnp.float32, nnx.Rngs(3))
-
-
-@pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory) -> dict[str, str]:
-    """A random draft and a random EAGLE head for the tiny model: exactness must not depend
-    on how good the proposals are."""
-    root = tmp_path_factory.mktemp("tiny_weights")
-    paths = {"draft": str(root / "draft.safetensors"), "eagle": str(root / "eagle.safetensors")}
-    save_draft(Llama(draft_config(TINY, 1), jnp.float32, nnx.Rngs(6)), paths["draft"])
-    save_eagle(EagleHead(TINY, jnp.float32, nnx.Rngs(5)), paths["eagle"])
-    return paths
 
 
 def serve(model, tokenizer, prompts, spec, params, **overrides):
@@ -160,16 +140,26 @@ def test_every_proposer_keeps_greedy_outputs_smollm2(smollm2, smollm2_specs) -> 
         assert stats["accepted" if spec.method != "self_draft" else "proposed"] > 0, spec.method
 
 
-def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2) -> None:
+@pytest.mark.parametrize("num_pages", [None, 5])  # 5: requests are preempted and recomputed
+def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2, num_pages) -> None:
     """A self-draft with all of the target's layers is the target: if its cache bookkeeping
-    (catch-up, rollback, positions) is right, greedy drafts are all accepted."""
+    (catch-up, rollback, positions, a reset after preemption) is right, greedy drafts are all
+    accepted. Draft state kept across a preemption attends to pages that then hold other
+    requests' KV: outputs stay exact while acceptance collapses."""
     config, model, tokenizer = smollm2
-    prompts = [tokenizer.encode("The history of the printing press begins"),
-               tokenizer.encode("def fibonacci(n):")]
+    prompts = [tokenizer.encode(text) for text in (
+        "The history of the printing press begins", "def fibonacci(n):",
+        "Rivers of Europe, from west to east:", "import numpy as np\nx =")]
     spec = SpeculativeConfig("self_draft", 3, self_draft_layers=config.num_layers)
-    _, stats = serve(model, tokenizer, prompts, spec, SamplingParams(max_tokens=20,
-                                                                     ignore_eos=True),
-                     max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=8)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=8,
+        num_pages=num_pages, speculative=spec))
+    for p in prompts:
+        engine.add_request(prompt_token_ids=p, params=params)
+    preemptions = sum(o.metrics.num_preemptions for o in engine.stream() if o.finished)
+    assert (preemptions > 0) == (num_pages is not None)
+    stats = engine.speculative_stats()
     assert stats["acceptance_rate"] >= 0.98, stats
 
 
