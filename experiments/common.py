@@ -1,17 +1,18 @@
-"""Shared by the experiment scripts: environment record, machine ceilings, timing, JSONL output."""
+"""Shared by the experiment scripts: environment record, machine ceilings, timing, JSONL results
+(written row by row, resumable), the peers' package check."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import importlib.util
 import json
 import os
 import platform
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +42,8 @@ def cpu_model() -> str:
 
 
 def environment() -> dict[str, Any]:
+    import jax
+
     device = jax.devices()[0]
     return {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -57,6 +60,8 @@ def environment() -> dict[str, Any]:
 
 def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of fn() in seconds, its result blocked on before the clock stops."""
+    import jax
+
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times = []
@@ -68,9 +73,14 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> flo
 
 
 def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
-                     dtype: jnp.dtype = jnp.float32) -> dict[str, float]:
+                     dtype: Any = "float32") -> dict[str, float]:
     """This machine's copy bandwidth (bytes read + written per second, through XLA) and dense
     matmul FLOP/s, measured now, on the default device."""
+    # JAX is imported where it is used: the experiments without a model (fragmentation,
+    # memory_budget, the prefix cache alone) run without starting it.
+    import jax
+    import jax.numpy as jnp
+
     n = copy_bytes // 4
     # Donated, so the output reuses the input's pages: a fresh 1 GiB output every call would
     # time the kernel's page faults rather than the memory bus.
@@ -90,17 +100,120 @@ def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
             "matmul_dtype": jnp.dtype(dtype).name}
 
 
-class JsonlWriter:
-    """Appends one JSON object per line; every row carries the run's environment."""
+def row_key(point: Mapping[str, Any]) -> str:
+    """The id of a sweep point: a hash of its canonical JSON, so the same configuration gets the
+    same key in every run (and a float 1 and an int 1 stay different points)."""
+    text = json.dumps(dict(point), sort_keys=True, default=_jsonable)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
-    def __init__(self, path: str, env: dict[str, Any] | None = None) -> None:
+
+class ResultLog:
+    """An experiment's JSONL results, written one row at a time.
+
+    Each row is appended, flushed and synced the moment it is measured, so a failure later in the
+    run loses nothing already measured. A row of a sweep point carries `key` (`row_key` of the
+    point's configuration); with `resume=True` a point whose key is already in the file is not
+    measured again, its stored row stands in. Tables and plots are built from `rows()`, which
+    reads this run's rows back from the file. Every row carries the run's environment."""
+
+    def __init__(self, path: str, *, resume: bool = False,
+                 env: dict[str, Any] | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
+        self.resume = resume
         self.env = environment() if env is None else env
+        self._keys: list[str] = []  # this run's points, in the order it met them
+        self._stored = _latest_by_key(read_jsonl(path)) if resume and os.path.exists(path) else {}
+        if resume:
+            print(f"[resume] {len(self._stored)} measured points in {path}; they are not "
+                  "measured again")
 
-    def write(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({**row, "env": self.env}, default=_jsonable) + "\n")
+    def done(self, point: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The stored row of `point` when resuming and the file holds one, else None."""
+        return self._stored.get(row_key(point)) if self.resume else None
+
+    def measure(self, point: Mapping[str, Any],
+                fn: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+        """The row of sweep point `point`: {**point, **fn()} written now, or, when resuming and
+        the file holds the point, its stored row (fn is not called)."""
+        stored = self.done(point)
+        if stored is not None:
+            self._keys.append(row_key(point))
+            return stored
+        return self.append({**point, **fn()}, point=point)
+
+    def append(self, row: Mapping[str, Any],
+               point: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Writes `row` now; with `point`, as that point's row (keyed, one of `rows()`); without,
+        as a log line (training curves) that resume never skips."""
+        row = dict(row)
+        if point is not None:
+            row["key"] = row_key(point)
+            self._keys.append(row["key"])
+        line = json.dumps({**row, "env": self.env}, default=_jsonable) + "\n"
+        with open(self.path, "a+") as f:
+            f.seek(0, os.SEEK_END)
+            # A run killed mid-write leaves a line without its newline: end it, so the next row
+            # starts a line of its own (read_jsonl skips the broken one).
+            if f.tell() > 0:
+                f.seek(f.tell() - 1)
+                if f.read(1) != "\n":
+                    f.write("\n")
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        return {**row, "env": self.env}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """This run's point rows as the file holds them, in the order the run met the points."""
+        stored = _latest_by_key(read_jsonl(self.path)) if os.path.exists(self.path) else {}
+        return [stored[k] for k in dict.fromkeys(self._keys) if k in stored]
+
+
+def _latest_by_key(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if "key" in row:
+            out[row["key"]] = row
+    return out
+
+
+def define_resume_flag(flag_values: Any) -> None:
+    """--resume, shared by the sweep experiments (see ResultLog)."""
+    from absl import flags
+
+    flags.DEFINE_bool("resume", False, "keep the rows already in --out and measure only the "
+                      "sweep points that have none (same flags as the interrupted run)",
+                      flag_values=flag_values)
+
+
+# Peer implementations of the benchmarks: the modules each imports, and the extra of
+# pyproject.toml that installs them.
+PEERS = {"hf": ("hf", ("torch", "transformers")), "llamacpp": ("llamacpp", ("llama_cpp",))}
+
+
+def usable_peers(peers: list[str], experiment: str) -> list[str]:
+    """The requested peers whose packages are installed. A missing one is skipped with one line
+    naming the extra that adds it, checked before any work so that no run fails minutes in on an
+    import. An unknown name is an error; "none" asks for no peer."""
+    unknown = sorted(set(peers) - set(PEERS) - {"none"})
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; known: {sorted(PEERS)} or none")
+    usable = []
+    for peer in dict.fromkeys(p for p in peers if p != "none"):
+        extra, modules = PEERS[peer]
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"[{experiment}] skipping peer {peer!r}: {', '.join(missing)} not installed "
+                  f"(add it with: pip install -e \".[{extra}]\")")
+        else:
+            usable.append(peer)
+    return usable
+
+
+def plot_path(jsonl_path: str) -> str:
+    """The PNG beside a JSONL: same name, .png."""
+    return os.path.splitext(jsonl_path)[0] + ".png"
 
 
 def _jsonable(x: Any) -> Any:
@@ -112,8 +225,17 @@ def _jsonable(x: Any) -> Any:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The rows of a JSONL file; a line cut short by a killed writer is skipped with a note."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"[results] {path}:{n}: skipping a line that is not JSON (a run cut short?)")
+    return rows
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:

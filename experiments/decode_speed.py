@@ -14,6 +14,8 @@ import time
 
 from absl import flags
 
+from experiments.common import define_resume_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype (both libraries)", flag_values=FLAGS)
@@ -22,22 +24,29 @@ flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row", flag_values=FLAG
 flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)", flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers measured in the same run: hf, or none", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/decode_speed.jsonl", "JSONL output", flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 
 def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, repeats: int,
-        peers: list[str], out: str) -> list[dict]:
+        peers: list[str], out: str, resume: bool = False) -> list[dict]:
+    """One row per batch size and implementation, each appended to `out` as it is measured
+    (with `resume`, points already there are not measured again); the table from the file."""
+    import functools
+
     import jax
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (JsonlWriter, load_hf_smollm2, markdown_table,
-                                    measure_ceilings, real_text)
+    from experiments.common import (ResultLog, load_hf_smollm2, markdown_table,
+                                    measure_ceilings, real_text, usable_peers)
     from infer.memory import kv_bytes_per_token
     from infer.loader import load
     from infer.loop import decode_stream
     from infer.sampling import SamplingParams
     from infer.steps import Steps
 
+    peers = usable_peers(peers, "decode_speed")  # before any work
+    log = ResultLog(out, resume=resume)
     config, model, tokenizer = load("smollm2-135m", dtype)
     steps = Steps(model)
     ids = tokenizer.encode(real_text(200_000))
@@ -49,47 +58,48 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
             pass
         return tok
 
-    hf = load_hf_smollm2(dtype) if "hf" in peers else None
+    hf = functools.cache(lambda: load_hf_smollm2(dtype))  # loaded when a point needs it
 
     def hf_generate(b: int, n: int):
         import torch
         x = torch.tensor(prompts(b))
         with torch.no_grad():
-            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+            return hf().generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    ceilings = measure_ceilings()
+    ceilings = functools.cache(measure_ceilings)  # measured in the run that needs them
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
-    writer = JsonlWriter(out)
-    rows = []
-    impls = [("infer", infer_generate)] + ([("hf", hf_generate)] if hf is not None else [])
-    for b in tqdm(batch_sizes, desc="batch sizes"):
+
+    def measure(b: int, generate) -> dict:
         kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, "float32")
-        floor_s = (weight_bytes + kv_read) / ceilings["copy_bandwidth_Bps"]
+        floor_s = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"]
         flops = 2 * config.num_params * b
-        for name, generate in impls:
-            generate(b, tokens + 1)  # compile / warm up every shape this point uses
-            first, full = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter(); generate(b, 1); first.append(time.perf_counter() - t0)
-                t0 = time.perf_counter(); generate(b, tokens + 1); full.append(time.perf_counter() - t0)
-            t_first, t_full = float(np.median(first)), float(np.median(full))
-            step_s = (t_full - t_first) / tokens
-            row = {
-                "experiment": "decode_speed", "impl": name, "model": config.name, "dtype": dtype,
-                "batch": b, "prompt_len": prompt_len, "tokens": tokens,
-                "prefill_tok_s": b * prompt_len / t_first, "decode_step_ms": step_s * 1e3,
+        generate(b, tokens + 1)  # compile / warm up every shape this point uses
+        first, full = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter(); generate(b, 1); first.append(time.perf_counter() - t0)
+            t0 = time.perf_counter(); generate(b, tokens + 1); full.append(time.perf_counter() - t0)
+        t_first, t_full = float(np.median(first)), float(np.median(full))
+        step_s = (t_full - t_first) / tokens
+        return {"prefill_tok_s": b * prompt_len / t_first, "decode_step_ms": step_s * 1e3,
                 "decode_tok_s": b / step_s, "bandwidth_floor_step_ms": floor_s * 1e3,
-                "fraction_of_floor": floor_s / step_s,
-                "achieved_flops": flops / step_s, "weight_bytes": weight_bytes, **ceilings,
-            }
-            writer.write(row)
-            rows.append(row)
+                "fraction_of_floor": floor_s / step_s, "achieved_flops": flops / step_s,
+                "weight_bytes": weight_bytes, **ceilings()}
+
+    impls = [("infer", infer_generate)] + ([("hf", hf_generate)] if "hf" in peers else [])
+    for b in tqdm(batch_sizes, desc="batch sizes"):
+        for name, generate in impls:
+            log.measure({"experiment": "decode_speed", "impl": name, "model": config.name,
+                         "dtype": dtype, "batch": b, "prompt_len": prompt_len, "tokens": tokens,
+                         "repeats": repeats},
+                        lambda b=b, generate=generate: measure(b, generate))
+    rows = [dict(r) for r in log.rows()]
     for row in rows:
         peer = next((r for r in rows if r["impl"] == "hf" and r["batch"] == row["batch"]), None)
         row["vs_hf"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
-    print(f"\ncopy bandwidth {ceilings['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, matmul "
-          f"{ceilings['matmul_flops'] / 1e9:.0f} GFLOP/s ({ceilings['matmul_dtype']}), "
+    # Each row carries the ceilings of the run that measured it; the first row's are printed.
+    print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, matmul "
+          f"{rows[0]['matmul_flops'] / 1e9:.0f} GFLOP/s ({rows[0]['matmul_dtype']}), "
           f"weights {weight_bytes / 1e6:.0f} MB")
     print(markdown_table(rows, [("impl", "impl"), ("batch", "batch"),
                                 ("prefill_tok_s", "prefill tok/s"),
@@ -105,8 +115,8 @@ def main(argv: list[str]) -> None:
     configure_xla_cpu()
     enable_compilation_cache()
     run(batch_sizes=[int(b) for b in FLAGS.batch_sizes], dtype=FLAGS.dtype, tokens=FLAGS.tokens,
-        prompt_len=FLAGS.prompt_len, repeats=FLAGS.repeats,
-        peers=[p for p in FLAGS.peers if p != "none"], out=FLAGS.out)
+        prompt_len=FLAGS.prompt_len, repeats=FLAGS.repeats, peers=FLAGS.peers, out=FLAGS.out,
+        resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ experiment measures acceptance inside the engine. This runs the training's own t
 pass (`infer.eagle.eagle_forward`, true features at every position) over the speculation
 experiment's prompts, so the three can be compared: if the engine accepted fewer drafts than this
 agreement on answer tokens predicts, the engine's drafting would be at fault; if they match, the
-head is. Writes one JSON line per prompt kind to results/eagle_agreement.jsonl.
+head is. Writes one JSON line per prompt kind to results/eagle_agreement.jsonl (--out).
 """
 
 from __future__ import annotations
 
 from absl import flags
+
+from experiments.common import define_resume_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("kinds", ["chat"], "prompt kinds of experiments.speculation", flag_values=FLAGS)
@@ -24,6 +26,7 @@ flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prom
 flags.DEFINE_string("eagle_path", "weights/eagle_smollm2.safetensors", "EAGLE head weights",
                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/eagle_agreement.jsonl", "JSONL output", flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 
 def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, int, int, int]:
@@ -54,28 +57,38 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
 
 
 def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: int,
-        eagle_path: str, out: str) -> list[dict]:
-    from experiments.common import JsonlWriter, markdown_table
+        eagle_path: str, out: str, resume: bool = False) -> list[dict]:
+    """One row per prompt kind, each appended to `out` as it is measured (with `resume`, kinds
+    already there are not measured again); the table from the file."""
+    import functools
+
+    from experiments.common import ResultLog, markdown_table
     from experiments.speculation import build_prompts
     from infer.eagle import load_eagle
     from infer.loader import load
-    from infer.tree_speculation import plain_generate
+    from infer.tree_speculation import PlainGenerator
 
-    config, target, tokenizer = load("smollm2-135m", "float32")
-    head = load_eagle(config, eagle_path)
-    writer = JsonlWriter(out)
-    rows = []
-    for kind in kinds:
+    log = ResultLog(out, resume=resume)
+
+    @functools.cache
+    def models():
+        config, target, tokenizer = load("smollm2-135m", "float32")
+        return target, load_eagle(config, eagle_path), tokenizer, PlainGenerator(target)
+
+    def measure(kind: str) -> dict:
+        target, head, tokenizer, plain = models()
         totals = [0, 0, 0, 0]
         for prompt in build_prompts(tokenizer, kind, num_prompts, snippet_chars):
-            answer, _ = plain_generate(target, prompt, max_tokens)
+            answer, _ = plain.generate(prompt, max_tokens)
             totals = [a + b for a, b in zip(totals, agreement(target, head, prompt, answer))]
-        row = {"experiment": "eagle_agreement", "kind": kind, "eagle_path": eagle_path,
-               "num_prompts": num_prompts, "max_tokens": max_tokens,
-               "answer_top1": totals[0] / totals[1], "answer_positions": totals[1],
-               "all_top1": totals[2] / totals[3], "all_positions": totals[3]}
-        writer.write(row)
-        rows.append(row)
+        return {"answer_top1": totals[0] / totals[1], "answer_positions": totals[1],
+                "all_top1": totals[2] / totals[3], "all_positions": totals[3]}
+
+    for kind in kinds:
+        log.measure({"experiment": "eagle_agreement", "kind": kind, "eagle_path": eagle_path,
+                     "num_prompts": num_prompts, "max_tokens": max_tokens,
+                     "snippet_chars": snippet_chars}, lambda kind=kind: measure(kind))
+    rows = log.rows()
     print(markdown_table(rows, [("kind", "prompts"), ("answer_top1", "top-1 on answers"),
                                 ("answer_positions", "answer positions"),
                                 ("all_top1", "top-1, all positions")]))
@@ -87,7 +100,8 @@ def main(argv: list[str]) -> None:
     from infer.platform import configure_xla_cpu
     configure_xla_cpu()
     run(kinds=FLAGS.kinds, num_prompts=FLAGS.num_prompts, max_tokens=FLAGS.max_tokens,
-        snippet_chars=FLAGS.snippet_chars, eagle_path=FLAGS.eagle_path, out=FLAGS.out)
+        snippet_chars=FLAGS.snippet_chars, eagle_path=FLAGS.eagle_path, out=FLAGS.out,
+        resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import os
 import numpy as np
 from absl import flags
 
+from experiments.common import define_resume_flag
 from infer.page_allocator import PageAllocator, SequencePages
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
@@ -47,8 +48,9 @@ flags.DEFINE_integer("max_model_len", 2048, "longest sequence: the contiguous re
 flags.DEFINE_integer("kv_tokens", 65536, "KV memory in token slots, the same for both policies", flag_values=FLAGS)
 flags.DEFINE_list("page_sizes", ["8", "16", "32", "64", "128"], "page sizes G swept", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
-flags.DEFINE_string("out", "results/fragmentation.jsonl", "JSONL output", flag_values=FLAGS)
-flags.DEFINE_string("plot", "results/fragmentation.png", "PNG plot (empty: none)", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/fragmentation.jsonl", "JSONL output (a PNG plot beside it)",
+                    flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,10 @@ def simulate(requests: list[Request], *, kv_tokens: int, max_model_len: int, pol
 def run(*, num_requests: int, rate: float, prompt_dist: str, prompt_min: int, prompt_max: int,
         prompt_median: float, prompt_sigma: float, output_shape: float, output_scale: float,
         output_cap: int, max_model_len: int, kv_tokens: int, page_sizes: list[int], seed: int,
-        out: str, plot: str) -> list[dict]:
-    from experiments.common import JsonlWriter, markdown_table
+        out: str, resume: bool = False) -> list[dict]:
+    """One row per policy and page size, each appended to `out` as it is simulated (with
+    `resume`, points already there are not simulated again); table and plot from the file."""
+    from experiments.common import ResultLog, markdown_table, plot_path
 
     workload = dict(num_requests=num_requests, rate=rate, prompt_dist=prompt_dist,
                     prompt_min=prompt_min, prompt_max=prompt_max, prompt_median=prompt_median,
@@ -217,14 +221,14 @@ def run(*, num_requests: int, rate: float, prompt_dist: str, prompt_min: int, pr
           f"{np.median(lengths):.0f}, max {lengths.max()} (max_model_len {max_model_len}); "
           f"KV memory {kv_tokens} token slots")
     points = [("contiguous", max_model_len)] + [("paged", g) for g in page_sizes]
-    writer = JsonlWriter(out)
-    rows = []
+    log = ResultLog(out, resume=resume)
     for policy, g in points:
-        row = {"experiment": "fragmentation", **workload,
-               **simulate(requests, kv_tokens=kv_tokens, max_model_len=max_model_len,
-                          policy=policy, page_size=g)}
-        writer.write(row)
-        rows.append(row)
+        point = {"experiment": "fragmentation", **workload, "policy": policy, "page_size": g,
+                 "kv_tokens": kv_tokens, "max_model_len": max_model_len}
+        log.measure(point, lambda policy=policy, g=g: simulate(
+            requests, kv_tokens=kv_tokens, max_model_len=max_model_len, policy=policy,
+            page_size=g))
+    rows = [dict(r) for r in log.rows()]
     for row in rows:
         for key in ("waste_fraction", "reserved_fraction", "never_used_fraction",
                     "saturated_kv_utilization"):
@@ -238,8 +242,7 @@ def run(*, num_requests: int, rate: float, prompt_dist: str, prompt_min: int, pr
         ("max_batch", "max batch"), ("preemptions", "preempt"),
         ("output_tokens_per_step", "out tok/step"), ("mean_wait_steps", "mean wait steps"),
         ("steps", "steps")]))
-    if plot:
-        plot_waste(rows, plot)
+    plot_waste(rows, plot_path(out))
     return rows
 
 
@@ -289,7 +292,7 @@ def main(argv: list[str]) -> None:
         output_shape=FLAGS.output_shape, output_scale=FLAGS.output_scale,
         output_cap=FLAGS.output_cap, max_model_len=FLAGS.max_model_len,
         kv_tokens=FLAGS.kv_tokens, page_sizes=[int(g) for g in FLAGS.page_sizes],
-        seed=FLAGS.seed, out=FLAGS.out, plot=FLAGS.plot)
+        seed=FLAGS.seed, out=FLAGS.out, resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import time
 
 from absl import flags
 
+from experiments.common import define_resume_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
                               "int8", "int4"], "KV cache formats", flag_values=FLAGS)
@@ -24,6 +26,7 @@ flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the s
 flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", flag_values=FLAGS)
 flags.DEFINE_integer("page_size", 16, "tokens per page", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/kv_dtypes.jsonl", "JSONL output (a PNG plot beside it)", flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 
 def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_size: int):
@@ -54,11 +57,16 @@ def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_s
 
 
 def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[int],
-        decode_tokens: int, page_size: int, out: str) -> list[dict]:
+        decode_tokens: int, page_size: int, out: str, resume: bool = False) -> list[dict]:
+    """Quality rows per format, then speed rows per format and batch size, each appended to
+    `out` as it is measured (with `resume`, points already there are not measured again);
+    tables and plot from the file."""
+    import functools
+
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import JsonlWriter, markdown_table, real_text
+    from experiments.common import ResultLog, markdown_table, plot_path, real_text
     from infer.loader import load
     from infer.loop import PagedLayout, decode_stream
     from infer.memory import kv_bytes_per_token
@@ -72,55 +80,66 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
     if len(ids) < eval_tokens + 1:
         raise ValueError(f"only {len(ids)} tokens of evaluation text")
     targets = np.asarray(ids[1:])
-    writer = JsonlWriter(out)
-    reference = score_text(steps, config, ids, "float32", chunk, page_size)
-    p_ref = np.exp(reference)
-    rows = []
-    for kv_format in tqdm(formats, desc="quality"):
-        logp = reference if kv_format == "float32" else score_text(steps, config, ids, kv_format,
-                                                                   chunk, page_size)
-        kl = float(np.mean(np.sum(p_ref * (reference - logp), axis=-1)))
-        row = {
-            "experiment": "kv_dtypes", "kind": "quality", "kv_format": kv_format,
-            "eval_tokens": len(targets), "kl_vs_float32": kl,
-            "top1_agreement": float(np.mean(logp.argmax(-1) == reference.argmax(-1))),
+    log = ResultLog(out, resume=resume)
+    # The float32 scoring every quality point compares against, computed once, when needed.
+    reference = functools.cache(lambda: score_text(steps, config, ids, "float32", chunk,
+                                                   page_size))
+
+    def quality(kv_format: str) -> dict:
+        ref = reference()
+        logp = ref if kv_format == "float32" else score_text(steps, config, ids, kv_format,
+                                                             chunk, page_size)
+        p_ref = np.exp(ref)
+        return {
+            "eval_tokens": len(targets),
+            "kl_vs_float32": float(np.mean(np.sum(p_ref * (ref - logp), axis=-1))),
+            "top1_agreement": float(np.mean(logp.argmax(-1) == ref.argmax(-1))),
             "perplexity": float(np.exp(-np.mean(logp[np.arange(len(targets)), targets]))),
             "bytes_per_token": kv_bytes_per_token(config, kv_format),
-            "bytes_per_token_no_scales": kv_bytes_per_token(config, kv_format, include_scales=False),
+            "bytes_per_token_no_scales": kv_bytes_per_token(config, kv_format,
+                                                            include_scales=False),
         }
-        writer.write(row)
-        rows.append(row)
+
+    for kv_format in tqdm(formats, desc="quality"):
+        log.measure({"experiment": "kv_dtypes", "kind": "quality", "kv_format": kv_format,
+                     "eval_tokens": eval_tokens, "chunk": chunk, "page_size": page_size},
+                    lambda kv_format=kv_format: quality(kv_format))
 
     prompts = tokenizer.encode(real_text(20_000, offset=360_000))
-    speed_rows = []
+
+    def speed(kv_format: str, b: int) -> dict:
+        batch = [prompts[i * 64:(i + 1) * 64] for i in range(b)]
+        params = [SamplingParams(ignore_eos=True)] * b
+        layout = PagedLayout(page_size=page_size, kv_format=kv_format)
+
+        def generate(n: int) -> None:
+            for _ in decode_stream(steps, batch, params, n, paged=layout):
+                pass
+
+        generate(decode_tokens + 1)  # compile every shape
+        t0 = time.perf_counter(); generate(1); first = time.perf_counter() - t0
+        t0 = time.perf_counter(); generate(decode_tokens + 1); full = time.perf_counter() - t0
+        step = (full - first) / decode_tokens
+        return {"decode_tok_s": b / step, "decode_step_ms": step * 1e3,
+                "kv_bytes_per_token": kv_bytes_per_token(config, kv_format),
+                "kv_bytes_at_128_tokens": b * 128 * kv_bytes_per_token(config, kv_format)}
+
     for kv_format in tqdm(formats, desc="speed"):
         for b in batch_sizes:
-            batch = [prompts[i * 64:(i + 1) * 64] for i in range(b)]
-            params = [SamplingParams(ignore_eos=True)] * b
-            layout = PagedLayout(page_size=page_size, kv_format=kv_format)
+            log.measure({"experiment": "kv_dtypes", "kind": "speed", "kv_format": kv_format,
+                         "batch": b, "decode_tokens": decode_tokens, "page_size": page_size},
+                        lambda kv_format=kv_format, b=b: speed(kv_format, b))
 
-            def generate(n: int) -> None:
-                for _ in decode_stream(steps, batch, params, n, paged=layout):
-                    pass
-
-            generate(decode_tokens + 1)  # compile every shape
-            t0 = time.perf_counter(); generate(1); first = time.perf_counter() - t0
-            t0 = time.perf_counter(); generate(decode_tokens + 1); full = time.perf_counter() - t0
-            step = (full - first) / decode_tokens
-            row = {"experiment": "kv_dtypes", "kind": "speed", "kv_format": kv_format, "batch": b,
-                   "decode_tok_s": b / step, "decode_step_ms": step * 1e3,
-                   "kv_bytes_per_token": kv_bytes_per_token(config, kv_format),
-                   "kv_bytes_at_128_tokens": b * 128 * kv_bytes_per_token(config, kv_format)}
-            writer.write(row)
-            speed_rows.append(row)
-
+    stored = log.rows()
+    rows = [r for r in stored if r["kind"] == "quality"]
+    speed_rows = [r for r in stored if r["kind"] == "speed"]
     print(markdown_table(rows, [("kv_format", "KV format"), ("bytes_per_token", "bytes/token"),
                                 ("kl_vs_float32", "KL vs f32"), ("top1_agreement", "top-1 agree"),
                                 ("perplexity", "perplexity")]))
     print(markdown_table(speed_rows, [("kv_format", "KV format"), ("batch", "batch"),
                                       ("decode_tok_s", "decode tok/s"),
                                       ("decode_step_ms", "step ms")]))
-    plot(rows, speed_rows, out.replace(".jsonl", ".png"))
+    plot(rows, speed_rows, plot_path(out))
     return rows + speed_rows
 
 
@@ -158,7 +177,7 @@ def main(argv: list[str]) -> None:
     enable_compilation_cache()
     run(formats=FLAGS.formats, eval_tokens=FLAGS.eval_tokens, chunk=FLAGS.chunk,
         batch_sizes=[int(b) for b in FLAGS.batch_sizes], decode_tokens=FLAGS.decode_tokens,
-        page_size=FLAGS.page_size, out=FLAGS.out)
+        page_size=FLAGS.page_size, out=FLAGS.out, resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

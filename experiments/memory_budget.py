@@ -4,7 +4,7 @@ only: no model is loaded.
 
   python -m experiments.memory_budget --gpus=4 --gpu_memory_gb=80 --contexts=2048,4096,32768
 
-Quantized formats carry float32 scales (fp8: one per head and token; int4: one per group of 32),
+Quantized formats carry bfloat16 scales (2 bytes) (fp8: one per head and token; int4: one per group of 32),
 so their real cost is above the ideal bits; both are reported.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 
 from absl import flags
+
+from experiments.common import define_resume_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("models", ["llama-3-8b", "llama-3-70b", "llama-3-405b", "mistral-7b"],
@@ -24,8 +26,9 @@ flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAG
 flags.DEFINE_float("overhead_fraction", 0.1,
                    "fraction of GPU memory kept for activations and workspace", flag_values=FLAGS)
 flags.DEFINE_list("contexts", ["2048", "4096", "32768"], "context lengths for max users", flag_values=FLAGS)
-flags.DEFINE_string("out", "results/memory_budget.jsonl", "JSONL output", flag_values=FLAGS)
-flags.DEFINE_string("plot", "results/memory_budget.png", "PNG plot (empty: none)", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/memory_budget.jsonl", "JSONL output (a PNG plot beside it)",
+                    flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 FORMAT_LABELS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16",
                  "float8_e4m3fn": "FP8", "float8_e5m2": "FP8-e5m2", "int8": "INT8", "int4": "INT4"}
@@ -72,19 +75,20 @@ def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
 
 def run(*, models: list[str], kv_formats: list[str], gpus: int, gpu_memory_gb: float,
         weight_dtype: str, overhead_fraction: float, contexts: list[int], out: str,
-        plot: str) -> list[dict]:
-    from experiments.common import JsonlWriter, markdown_table
+        resume: bool = False) -> list[dict]:
+    """One row per model and format, each appended to `out` as it is computed (with `resume`,
+    points already there are kept); table and plot from the file."""
+    from experiments.common import ResultLog, markdown_table, plot_path
 
     common = dict(gpus=gpus, gpu_memory_gb=gpu_memory_gb, weight_dtype=weight_dtype,
                   overhead_fraction=overhead_fraction, contexts=contexts)
-    writer = JsonlWriter(out)
-    rows = []
+    log = ResultLog(out, resume=resume)
     for model in models:
         for fmt in kv_formats:
-            row = budget_row(model, fmt, **common)
-            writer.write(row)
-            rows.append(row)
-
+            log.measure({"experiment": "memory_budget", "model": model, "kv_format": fmt,
+                         **common},
+                        lambda model=model, fmt=fmt: budget_row(model, fmt, **common))
+    rows = log.rows()
     print(f"\n{gpus}×{gpu_memory_gb:g} GB, {weight_dtype} weights, "
           f"{overhead_fraction:.0%} reserved for activations\n")
     columns = [("model", "model"), ("format", "KV"), ("kv_bytes_per_token", "B/token"),
@@ -95,8 +99,7 @@ def run(*, models: list[str], kv_formats: list[str], gpus: int, gpu_memory_gb: f
     columns += [("status", "status")]
     print(markdown_table(rows, columns))
     print(exercise_answers(common))
-    if plot:
-        plot_users(rows, plot, PLOT_CONTEXT if PLOT_CONTEXT in contexts else contexts[0])
+    plot_users(rows, plot_path(out), PLOT_CONTEXT if PLOT_CONTEXT in contexts else contexts[0])
     return rows
 
 
@@ -176,7 +179,7 @@ def main(argv: list[str]) -> None:
     run(models=FLAGS.models, kv_formats=FLAGS.kv_formats, gpus=FLAGS.gpus,
         gpu_memory_gb=FLAGS.gpu_memory_gb, weight_dtype=FLAGS.weight_dtype,
         overhead_fraction=FLAGS.overhead_fraction, contexts=[int(c) for c in FLAGS.contexts],
-        out=FLAGS.out, plot=FLAGS.plot)
+        out=FLAGS.out, resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,12 @@ Prefix lengths are not page multiples, so a hit reuses the prefix rounded down t
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 from absl import flags
 
+from experiments.common import define_resume_flag
 from infer.page_allocator import PageAllocator
 from infer.prefix_cache import PrefixCache
 
@@ -41,7 +44,9 @@ flags.DEFINE_list("alone_suffix_tokens", ["16", "256"], "min,max length of a req
 flags.DEFINE_integer("alone_page_size", 16, "tokens per page G", flag_values=FLAGS)
 flags.DEFINE_list("alone_max_pages", ["500"], "LRU cache caps (pages) swept; an unlimited cache always runs too", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
-flags.DEFINE_string("out", "results/prefix_cache.jsonl", "JSONL output", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/prefix_cache.jsonl", "JSONL output (a PNG plot beside it)",
+                    flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 VOCAB = 49152  # SmolLM2's: random token ids never collide by accident
 
@@ -104,10 +109,11 @@ def simulate(prompts: list[list[int]], *, page_size: int, max_pages: int | None)
             "peak_used_pages": peak_used}
 
 
-def run_cache_alone(*, num_requests: int, shared_fraction: float, num_prefixes: int,
-                    prefix_tokens: tuple[int, int], suffix_tokens: tuple[int, int],
-                    page_size: int, max_pages: list[int], seed: int) -> list[dict]:
-    """One row per cache: LRU capped at each of `max_pages`, then unlimited."""
+def cache_alone_points(*, num_requests: int, shared_fraction: float, num_prefixes: int,
+                       prefix_tokens: tuple[int, int], suffix_tokens: tuple[int, int],
+                       page_size: int, max_pages: list[int], seed: int
+                       ) -> list[tuple[dict, Callable[[], dict]]]:
+    """(point, measure) per cache: LRU capped at each of `max_pages`, then unlimited."""
     workload = make_workload(num_requests=num_requests, shared_fraction=shared_fraction,
                              num_prefixes=num_prefixes, prefix_tokens=prefix_tokens,
                              suffix_tokens=suffix_tokens, seed=seed)
@@ -118,12 +124,14 @@ def run_cache_alone(*, num_requests: int, shared_fraction: float, num_prefixes: 
               "page_size": page_size, "seed": seed,
               "shared_requests": sum(k is not None for k, _ in workload),
               "prompt_tokens": sum(map(len, prompts))}
-    rows = []
-    for cap in [*max_pages, None]:
-        stats = simulate(prompts, page_size=page_size, max_pages=cap)
-        rows.append({**config, "cache": "unlimited" if cap is None else f"lru_{cap}",
-                     "max_pages": cap, **stats})
-    return rows
+    return [({**config, "cache": "unlimited" if cap is None else f"lru_{cap}", "max_pages": cap},
+             lambda cap=cap: simulate(prompts, page_size=page_size, max_pages=cap))
+            for cap in [*max_pages, None]]
+
+
+def run_cache_alone(**kwargs: Any) -> list[dict]:
+    """One row per cache (see cache_alone_points), measured now, written nowhere."""
+    return [{**point, **measure()} for point, measure in cache_alone_points(**kwargs)]
 
 
 # -- parts 2 and 3: the real model through the engine ---------------------------------------------
@@ -136,15 +144,12 @@ def _engine(model, tokenizer, caching: bool, max_model_len: int):
         enable_prefix_caching=caching))
 
 
-def run_system_prompt(model, tokenizer, *, num_requests: int, system_tokens: int, rate: float,
-                      max_tokens: int, seed: int) -> list[dict]:
+def system_prompt_workload(tokenizer, *, num_requests: int, system_tokens: int, rate: float,
+                           max_tokens: int, seed: int) -> list:
     """Requests that share one long system prompt (real text), each with its own question,
-    arriving as a Poisson stream, served with the prefix cache on and off."""
-    import numpy as np
-
+    arriving as a Poisson stream."""
     from experiments.common import real_text
-    from experiments.serve import WorkItem, serve_infer
-    from infer.metrics import summarize
+    from experiments.serve import WorkItem
 
     text = tokenizer.encode(real_text(40_000, offset=200_000))
     system = tokenizer.decode(text[:system_tokens])
@@ -153,62 +158,57 @@ def run_system_prompt(model, tokenizer, *, num_requests: int, system_tokens: int
                  zip(rng.integers(system_tokens, len(text) - 64, num_requests),
                      rng.integers(8, 48, num_requests))]
     arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, num_requests - 1))])
-    work = [WorkItem(float(a), tuple(tokenizer.encode(tokenizer.apply_chat_template(
+    return [WorkItem(float(a), tuple(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "system", "content": system}, {"role": "user", "content": q}]))), max_tokens)
         for a, q in zip(arrivals, questions)]
-    rows = []
-    for caching in (False, True):
-        engine = _engine(model, tokenizer, caching, 2048)
-        engine.warmup(progress=True)
-        metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
-        rows.append({"experiment": "prefix_cache", "part": "system", "caching": caching,
-                     "system_prompt_tokens": len(work[0].prompt_ids) - 48,
-                     "prefill_tokens_computed": sum(r.prefill_tokens for r in records),
-                     **engine.prefix_cache_stats(), **summarize(metrics, wall, records)})
-    return rows
 
 
-def run_multi_turn(model, tokenizer, *, conversations: int, turns: int, max_tokens: int,
-                   seed: int) -> list[dict]:
+def run_system_prompt(model, tokenizer, work: list, caching: bool) -> dict:
+    """The system-prompt workload served with the prefix cache on or off: one row."""
+    from experiments.serve import serve_infer
+    from infer.metrics import summarize
+
+    engine = _engine(model, tokenizer, caching, 2048)
+    engine.warmup(progress=True)
+    metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
+    return {"system_prompt_tokens": len(work[0].prompt_ids) - 48,
+            "prefill_tokens_computed": sum(r.prefill_tokens for r in records),
+            **engine.prefix_cache_stats(), **summarize(metrics, wall, records)}
+
+
+def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns: int,
+                   max_tokens: int, seed: int) -> dict:
     """Chats where each turn sends the whole conversation so far plus a new question: every
-    turn's prompt extends the previous one's, answer included."""
-    import numpy as np
-
+    turn's prompt extends the previous one's, answer included. One row; the questions depend
+    only on `seed`, so runs with the cache on and off ask the same."""
     from experiments.common import real_text
     from infer.sampling import SamplingParams
 
     text = tokenizer.encode(real_text(40_000, offset=250_000))
     rng = np.random.default_rng(seed)
-    rows = []
-    for caching in (False, True):
-        engine = _engine(model, tokenizer, caching, 2048)
-        engine.warmup(progress=True)
-        chats = [[{"role": "system", "content": "You are a helpful assistant."}]
-                 for _ in range(conversations)]
-        ttft, computed = [], 0
-        for turn in range(turns):
-            ids = []
-            for chat in chats:
-                o, n = rng.integers(0, len(text) - 100), rng.integers(20, 80)
-                chat.append({"role": "user", "content": tokenizer.decode(text[o:o + n])})
-                ids.append(engine.add_request(
-                    prompt=tokenizer.apply_chat_template(chat),
-                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-            first = len(engine.records)
-            engine.run_until_done()
-            computed += sum(r.prefill_tokens for r in engine.records[first:])
-            for chat, i in zip(chats, ids):
-                out = engine.output(i)
-                chat.append({"role": "assistant", "content": out.text})
-                ttft.append(out.metrics.ttft_s)
-        rng = np.random.default_rng(seed)  # the same questions for both runs
-        rows.append({"experiment": "prefix_cache", "part": "chat", "caching": caching,
-                     "conversations": conversations, "turns": turns,
-                     "prefill_tokens_computed": computed,
-                     "ttft_s_p50": float(np.percentile(ttft, 50)),
-                     "ttft_s_p99": float(np.percentile(ttft, 99)),
-                     **engine.prefix_cache_stats()})
-    return rows
+    engine = _engine(model, tokenizer, caching, 2048)
+    engine.warmup(progress=True)
+    chats = [[{"role": "system", "content": "You are a helpful assistant."}]
+             for _ in range(conversations)]
+    ttft, computed = [], 0
+    for turn in range(turns):
+        ids = []
+        for chat in chats:
+            o, n = rng.integers(0, len(text) - 100), rng.integers(20, 80)
+            chat.append({"role": "user", "content": tokenizer.decode(text[o:o + n])})
+            ids.append(engine.add_request(
+                prompt=tokenizer.apply_chat_template(chat),
+                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        first = engine.num_steps
+        # The engine forgets a finished request: its output is kept as it finishes.
+        done = {out.request_id: out for out in engine.stream() if out.finished}
+        computed += sum(r.prefill_tokens for r in engine.step_records(first))
+        for chat, i in zip(chats, ids):
+            chat.append({"role": "assistant", "content": done[i].text})
+            ttft.append(done[i].metrics.ttft_s)
+    return {"prefill_tokens_computed": computed,
+            "ttft_s_p50": float(np.percentile(ttft, 50)),
+            "ttft_s_p99": float(np.percentile(ttft, 99)), **engine.prefix_cache_stats()}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -250,22 +250,26 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
         alone_suffix_tokens: tuple[int, int], alone_page_size: int, alone_max_pages: list[int],
         system_requests: int, system_prompt_tokens: int, system_rate: float,
         chat_conversations: int, chat_turns: int, max_tokens: int, seed: int,
-        out: str) -> list[dict]:
-    from experiments.common import JsonlWriter, markdown_table
+        out: str, resume: bool = False) -> list[dict]:
+    """The parts' rows, each appended to `out` as it is measured (with `resume`, points already
+    there are not measured again); tables and plot from the file."""
+    import functools
+
+    from experiments.common import ResultLog, markdown_table, plot_path
 
     unknown = set(parts) - {"alone", "system", "chat"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
-    writer = JsonlWriter(out)
+    log = ResultLog(out, resume=resume)
     rows = []
     if "alone" in parts:
-        alone = run_cache_alone(
-            num_requests=alone_requests, shared_fraction=alone_shared_fraction,
-            num_prefixes=alone_prefixes, prefix_tokens=alone_prefix_tokens,
-            suffix_tokens=alone_suffix_tokens, page_size=alone_page_size,
-            max_pages=alone_max_pages, seed=seed)
-        for row in alone:
-            writer.write(row)
+        for point, measure in cache_alone_points(
+                num_requests=alone_requests, shared_fraction=alone_shared_fraction,
+                num_prefixes=alone_prefixes, prefix_tokens=alone_prefix_tokens,
+                suffix_tokens=alone_suffix_tokens, page_size=alone_page_size,
+                max_pages=alone_max_pages, seed=seed):
+            log.measure(point, measure)
+        alone = [r for r in log.rows() if r["part"] == "alone"]
         print(f"\npart 1, cache alone: {alone_requests} requests, "
               f"{alone[0]['shared_requests']} sharing one of {alone_prefixes} prefixes, "
               f"G={alone_page_size}")
@@ -274,20 +278,37 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
             ("token_hit_rate", "hit rate (tokens)"), ("hits", "hits"),
             ("hit_tokens", "hit tokens"), ("prefill_tokens", "prefill tokens"),
             ("evicted_pages", "evicted pages"), ("cached_pages", "cached pages")]))
-        rows += alone
     if {"system", "chat"} & set(parts):
-        from infer.loader import load
-        _, model, tokenizer = load("smollm2-135m")
-        model_rows = []
-        if "system" in parts:
-            model_rows += run_system_prompt(model, tokenizer, num_requests=system_requests,
-                                            system_tokens=system_prompt_tokens, rate=system_rate,
-                                            max_tokens=max_tokens, seed=seed)
-        if "chat" in parts:
-            model_rows += run_multi_turn(model, tokenizer, conversations=chat_conversations,
-                                         turns=chat_turns, max_tokens=max_tokens, seed=seed)
-        for row in model_rows:
-            writer.write(row)
+        @functools.cache
+        def loaded():
+            from infer.loader import load
+            _, model, tokenizer = load("smollm2-135m")
+            return model, tokenizer
+
+        @functools.cache
+        def system_work():
+            return system_prompt_workload(
+                loaded()[1], num_requests=system_requests, system_tokens=system_prompt_tokens,
+                rate=system_rate, max_tokens=max_tokens, seed=seed)
+
+        base = {"experiment": "prefix_cache", "max_tokens": max_tokens, "seed": seed}
+        for caching in (False, True):
+            if "system" in parts:
+                log.measure({**base, "part": "system", "caching": caching,
+                             "requests": system_requests, "system_tokens": system_prompt_tokens,
+                             "rate": system_rate},
+                            lambda caching=caching: run_system_prompt(*loaded(), system_work(),
+                                                                caching))
+        for caching in (False, True):
+            if "chat" in parts:
+                log.measure({**base, "part": "chat", "caching": caching,
+                             "conversations": chat_conversations, "turns": chat_turns},
+                            lambda caching=caching: run_multi_turn(
+                                *loaded(), caching=caching,
+                                                   conversations=chat_conversations,
+                                                   turns=chat_turns, max_tokens=max_tokens,
+                                                   seed=seed))
+        model_rows = [dict(r) for r in log.rows() if r["part"] != "alone"]
         for r in model_rows:
             r["ttft_p50_ms"], r["ttft_p99_ms"] = 1e3 * r["ttft_s_p50"], 1e3 * r["ttft_s_p99"]
         print("\nparts 2 and 3, SmolLM2 through the engine:")
@@ -302,8 +323,8 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
                 print(f"{part}: TTFT p50 {pair[0]['ttft_s_p50'] / pair[1]['ttft_s_p50']:.1f}x "
                       f"lower with the cache; prefill tokens "
                       f"{pair[0]['prefill_tokens_computed'] / max(1, pair[1]['prefill_tokens_computed']):.1f}x fewer")
-        rows += model_rows
-    plot(rows, out.replace(".jsonl", ".png"))
+    rows = log.rows()
+    plot(rows, plot_path(out))
     return rows
 
 
@@ -321,7 +342,7 @@ def main(argv: list[str]) -> None:
         system_requests=FLAGS.system_requests, system_prompt_tokens=FLAGS.system_prompt_tokens,
         system_rate=FLAGS.system_rate, chat_conversations=FLAGS.chat_conversations,
         chat_turns=FLAGS.chat_turns, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
-        out=FLAGS.out)
+        out=FLAGS.out, resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

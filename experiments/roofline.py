@@ -53,6 +53,8 @@ from typing import Any, Callable, Sequence
 
 from absl import flags
 
+from experiments.common import define_resume_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32", "64", "128", "256"],
                   "decode batch sizes", flag_values=FLAGS)
@@ -70,6 +72,7 @@ flags.DEFINE_float("knee_factor", 1.5,
                    "smallest batch's", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/roofline.jsonl", "JSONL output; the PNG goes beside it",
                     flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 MIN_CACHE_LEN = 128
 
@@ -207,7 +210,7 @@ def measure_point(steps: Any, config: Any, *, batch: int, new_tokens: int, cache
     else:
         meta = AttentionMetadata.for_prefill(jnp.full((batch,), new_tokens, jnp.int32), new_tokens,
                                              cached=jnp.full((batch,), cached, jnp.int32))
-    sampling = SamplingArrays.from_params([SamplingParams()] * batch)
+    sampling = SamplingArrays.from_params([SamplingParams(seed=0)] * batch)
     steps_arr = jnp.zeros((batch,), jnp.int32)
     box = [KVCache.create(config.num_layers, batch, slots, config.num_kv_heads, config.head_dim,
                           kv_dtype)]
@@ -226,12 +229,16 @@ def measure_point(steps: Any, config: Any, *, batch: int, new_tokens: int, cache
 
 def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: int, context: int,
         dtype: str, kv_dtype: str, repeats: int, steps_per_sample: int, knee_factor: float,
-        out: str) -> list[dict]:
+        out: str, resume: bool = False) -> list[dict]:
+    """One row per sweep point, each appended to `out` as it is measured (with `resume`, points
+    already there are not measured again), then the summary row; table and plot from the file."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from experiments.common import JsonlWriter, markdown_table, measure_ceilings
+    from experiments.common import ResultLog, markdown_table, measure_ceilings
     from infer.loader import load, resolve_dtype
     from infer.memory import kv_bytes_per_token
     from infer.steps import Steps
@@ -240,24 +247,23 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
     steps = Steps(model)
     weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(steps.params)))
     kv_bpt = kv_bytes_per_token(config, kv_dtype)
-    ceilings = measure_ceilings(dtype=resolve_dtype(dtype))
-    peak, bandwidth = ceilings["matmul_flops"], ceilings["copy_bandwidth_Bps"]
-    ridge = ridge_intensity(peak, bandwidth)
     backend = jax.default_backend()
-    writer = JsonlWriter(out)
-    common = {"experiment": "roofline", "model": config.name, "dtype": dtype, "kv_dtype": kv_dtype,
-              "backend": backend, "device": writer.env["device"], "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bpt,
-              "repeats": repeats, "steps_per_sample": steps_per_sample, **ceilings,
-              "ridge_intensity": ridge}
+    log = ResultLog(out, resume=resume)
+    # The ceilings are measured in the run that measures points, and travel in each point's row.
+    ceilings = functools.cache(lambda: measure_ceilings(dtype=resolve_dtype(dtype)))
+    config_fields = {"experiment": "roofline", "model": config.name, "dtype": dtype,
+                     "kv_dtype": kv_dtype, "backend": backend, "device": log.env["device"],
+                     "repeats": repeats, "steps_per_sample": steps_per_sample}
+    counted = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bpt}
 
-    points = ([("decode", b, 1, context) for b in batch_sizes]
-              + [("prefill", prefill_batch, t, 0) for t in prefill_lengths])
-    rows = []
-    for phase, b, t, s in tqdm(points, desc="roofline points"):
+    def measure(phase: str, b: int, t: int, s: int) -> dict:
+        c = ceilings()
+        peak, bandwidth = c["matmul_flops"], c["copy_bandwidth_Bps"]
+        ridge = ridge_intensity(peak, bandwidth)
         flops = step_flops(config, b, t, s)
         nbytes = step_bytes(b, t, s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bpt)
         intensity = flops / nbytes
-        row = {**common, "phase": phase, "batch": b, "new_tokens": t, "cached": s,
+        row = {**counted, **c, "ridge_intensity": ridge,
                "label": f"B={b}" if phase == "decode" else f"T={t}",
                "flops": flops, "bytes": nbytes, "intensity": intensity,
                "attainable_flops": attainable_flops(intensity, peak, bandwidth),
@@ -276,13 +282,28 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
                        achieved_Bps=nbytes / step_s,
                        fraction_of_roof=flops / step_s / row["attainable_flops"],
                        roofline_step_ms=1e3 * max(flops / peak, nbytes / bandwidth))
-        writer.write(row)
-        rows.append(row)
+        return row
 
+    points = ([("decode", b, 1, context) for b in batch_sizes]
+              + [("prefill", prefill_batch, t, 0) for t in prefill_lengths])
+    for phase, b, t, s in tqdm(points, desc="roofline points"):
+        log.measure({**config_fields, "phase": phase, "batch": b, "new_tokens": t, "cached": s},
+                    lambda phase=phase, b=b, t=t, s=s: measure(phase, b, t, s))
+    rows = [dict(r) for r in log.rows()]
+
+    # The summary is derived from the rows, so it is written anew by every run. Rows of a
+    # resumed run may carry another run's ceilings: the first row's stand for the sweep.
+    peak, bandwidth = rows[0]["matmul_flops"], rows[0]["copy_bandwidth_Bps"]
+    ridge = ridge_intensity(peak, bandwidth)
+    ceiling_fields = {k: rows[0][k] for k in ("copy_bandwidth_Bps", "matmul_flops",
+                                              "matmul_dtype")}
     swept = sorted((r for r in rows if r["phase"] == "decode"), key=lambda r: r["batch"])
     decode = [r for r in swept if "error" not in r]
-    summary = {
-        **common, "phase": "summary", "context": context, "knee_factor": knee_factor,
+    summary_point = {**config_fields, "phase": "summary", "context": context,
+                     "knee_factor": knee_factor, "batch_sizes": batch_sizes,
+                     "prefill_lengths": prefill_lengths, "prefill_batch": prefill_batch}
+    summary = log.append({
+        **summary_point, **counted, **ceiling_fields, "ridge_intensity": ridge,
         # Intensity is counted, not timed: failed points count too.
         "ridge_batch": first_above([r["batch"] for r in swept], [r["intensity"] for r in swept],
                                    ridge),
@@ -292,9 +313,8 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
         "knee_batch": step_time_knee([r["batch"] for r in decode], [r["step_s"] for r in decode],
                                      knee_factor),
         "knee_base_batch": decode[0]["batch"] if decode else None,
-    }
-    writer.write(summary)
-
+    }, point=summary_point)
+    common = {**config_fields, **ceiling_fields}
     for r in rows:
         if "error" in r:
             r["error_short"] = r["error"][:60]
@@ -303,7 +323,7 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
             r["roof_pct"] = 100 * r["fraction_of_roof"]
     print(f"\n{backend} ({common['device']}), weights {dtype} {weight_bytes / 1e6:.0f} MB, "
           f"KV {kv_dtype} {kv_bpt} B/token; matmul {peak / 1e9:,.0f} GFLOP/s "
-          f"({ceilings['matmul_dtype']}), copy {bandwidth / 1e9:,.1f} GB/s, ridge {ridge:.1f} FLOP/B")
+          f"({common['matmul_dtype']}), copy {bandwidth / 1e9:,.1f} GB/s, ridge {ridge:.1f} FLOP/B")
     print(markdown_table(rows, [
         ("phase", "phase"), ("batch", "B"), ("new_tokens", "T"), ("cached", "S"),
         ("step_ms", "step ms"), ("dispatch_ms", "dispatch ms"), ("tokens_per_s", "tok/s"),
@@ -405,7 +425,8 @@ def main(argv: list[str]) -> None:
     run(batch_sizes=[int(b) for b in FLAGS.batch_sizes],
         prefill_lengths=[int(t) for t in FLAGS.prefill_lengths], prefill_batch=FLAGS.prefill_batch,
         context=FLAGS.context, dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, repeats=FLAGS.repeats,
-        steps_per_sample=FLAGS.steps_per_sample, knee_factor=FLAGS.knee_factor, out=FLAGS.out)
+        steps_per_sample=FLAGS.steps_per_sample, knee_factor=FLAGS.knee_factor, out=FLAGS.out,
+        resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ batching and with continuous batching, and, in the same run, by HF transformers'
 its Python API serves them). Every request asks for exactly its output length (EOS ignored), so
 all runs produce the same tokens' worth of work.
 
-Prints a table, appends rows to results/serve.jsonl, and plots slot utilization over time for
-static against continuous batching plus throughput and latency side by side (results/serve.png).
+Appends each run's row to results/serve.jsonl (--out) the moment it is measured, then prints a
+table and plots slot utilization over time for static against continuous batching plus
+throughput and latency side by side (results/serve.png, beside --out), both from the JSONL.
+--resume keeps the runs already there and serves only the missing ones. A peer whose packages
+are missing is skipped with a line naming the extra that installs them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 from absl import flags
+
+from experiments.common import define_resume_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_requests", 64, "requests in the workload", flag_values=FLAGS)
@@ -45,6 +50,7 @@ flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, none",
 flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/serve.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +82,10 @@ def serve_infer(engine, work: list[WorkItem], desc: str):
     from infer.sampling import SamplingParams
 
     pending = collections.deque(work)
-    ids = []
+    ids, finished = [], {}
     bar = tqdm(total=len(work), desc=desc, leave=False)
     start = time.perf_counter()
-    first_record = len(engine.records)
+    first_step = engine.num_steps
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and pending[0].arrival_s <= now:
@@ -91,13 +97,15 @@ def serve_infer(engine, work: list[WorkItem], desc: str):
         idle = True
         if engine.has_unfinished():
             for out in engine.step():
-                bar.update(out.finished)
+                if out.finished:  # the engine forgets a finished request: keep its output now
+                    finished[out.request_id] = out
+                    bar.update(1)
             idle = engine.records[-1].kind == "idle"
         if idle and pending:  # a static batch waits, or nothing runs: sleep to the next arrival
             time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
     wall = time.perf_counter() - start
     bar.close()
-    return [engine.output(i).metrics for i in ids], engine.records[first_record:], start, wall
+    return [finished[i].metrics for i in ids], engine.step_records(first_step), start, wall
 
 
 def serve_hf(model, work: list[WorkItem], batch_size: int, desc: str):
@@ -192,8 +200,16 @@ def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos
 def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         output_shape: float, output_scale: float, output_cap: int, max_num_seqs: int,
         max_prefill_tokens: int, max_model_len: int, dtype: str, kv_cache_dtype: str,
-        policies: list[str], peers: list[str], seed: int, out: str) -> list[dict]:
-    from experiments.common import JsonlWriter, load_hf_smollm2, markdown_table, real_text
+        policies: list[str], peers: list[str], seed: int, out: str,
+        resume: bool = False) -> list[dict]:
+    """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
+    them (each appended the moment it is measured; with `resume`, ones already there are kept
+    and not measured again)."""
+    from experiments.common import (ResultLog, load_hf_smollm2, plot_path, real_text,
+                                    usable_peers)
+
+    peers = usable_peers(peers, "serve")  # before any work: a missing package is one line
+    log = ResultLog(out, resume=resume)
     from infer.checkpoint import smollm2_gguf_path
     from infer.engine import Engine, EngineConfig
     from infer.loader import load
@@ -207,73 +223,88 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     print(f"{len(work)} requests over {work[-1].arrival_s:.1f} s; prompts "
           f"{np.mean([len(w.prompt_ids) for w in work]):.0f} tokens on average, outputs "
           f"{np.mean([w.output_len for w in work]):.0f} (max {max(w.output_len for w in work)})")
-    workload = dict(num_requests=num_requests, rate=rate, prompt_min=prompt_min,
-                    prompt_max=prompt_max, output_shape=output_shape, output_scale=output_scale,
-                    output_cap=output_cap, seed=seed, max_num_seqs=max_num_seqs, dtype=dtype)
-    writer = JsonlWriter(out)
-    rows, timelines = [], {}
-
-    def record(impl: str, policy: str, metrics, wall: float, records=()) -> None:
-        row = {"experiment": "serve", "impl": impl, "policy": policy, **workload,
-               **summarize(metrics, wall, records)}
-        writer.write(row)
-        rows.append(row)
-
+    workload = dict(experiment="serve", num_requests=num_requests, rate=rate,
+                    prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
+                    output_scale=output_scale, output_cap=output_cap, seed=seed,
+                    max_num_seqs=max_num_seqs, dtype=dtype)
     runner = None
-    for policy in policies:
+
+    def serve_policy(policy: str) -> dict:
+        nonlocal runner
         engine = Engine(model, tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-            max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, scheduler=policy),
-            runner=runner)
+            max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
+            scheduler=policy), runner=runner)
         if runner is None:
             start = time.perf_counter()
             programs = engine.warmup(progress=True)
             print(f"compiled {programs} programs in {time.perf_counter() - start:.0f} s")
             runner = engine.runner
         metrics, records, start, wall = serve_infer(engine, work, f"infer {policy}")
-        record("infer", policy, metrics, wall, records)
-        timelines[policy] = [(r.start_s - start, r.end_s - start, r.slot_utilization)
-                             for r in records if r.kind != "idle"]
-    if "hf" in peers:
+        # The plot's slot-utilization timeline travels in the row, so a resumed run can draw it.
+        timeline = [[round(r.start_s - start, 4), round(r.end_s - start, 4),
+                     round(r.slot_utilization, 4)] for r in records if r.kind != "idle"]
+        return {**summarize(metrics, wall, records), "timeline": timeline}
+
+    def serve_hf_peer() -> dict:
         hf = load_hf_smollm2(dtype)
         metrics, _, wall = serve_hf(hf, work, max_num_seqs, "HF transformers static")
-        record("hf-transformers", "static", metrics, wall)
-        del hf
-    if "llamacpp" in peers:
+        return summarize(metrics, wall)
+
+    def serve_llamacpp_peer() -> dict:
         metrics, _, wall = serve_llamacpp(smollm2_gguf_path(), work, max_model_len,
                                           tokenizer.eos_ids[0], "llama.cpp")
-        record("llama.cpp (Q4_1)", "one at a time", metrics, wall)
+        return summarize(metrics, wall)
 
-    def ratio(impl: str, policy: str) -> float | None:
-        base = next((r for r in rows if r["impl"] == impl and r["policy"] == policy), None)
-        cont = next((r for r in rows if r["impl"] == "infer" and r["policy"] == "continuous"), None)
-        return cont["output_tok_s"] / base["output_tok_s"] if base and cont else None
+    engine_config = dict(kv_cache_dtype=kv_cache_dtype, max_prefill_tokens=max_prefill_tokens,
+                         max_model_len=max_model_len)
+    for policy in policies:
+        log.measure({**workload, "impl": "infer", "policy": policy, **engine_config},
+                    lambda policy=policy: serve_policy(policy))
+    if "hf" in peers:
+        log.measure({**workload, "impl": "hf-transformers", "policy": "static"}, serve_hf_peer)
+    if "llamacpp" in peers:
+        log.measure({**workload, "impl": "llama.cpp (Q4_1)", "policy": "one at a time",
+                     "max_model_len": max_model_len}, serve_llamacpp_peer)
+    rows = log.rows()
+    report(rows)
+    plot(rows, plot_path(out), max_num_seqs)
+    return rows
 
+
+def report(rows: list[dict]) -> None:
+    """The table, and continuous batching's throughput over each other run's."""
+    from experiments.common import markdown_table
+
+    cont = next((r for r in rows if r["impl"] == "infer" and r["policy"] == "continuous"), None)
+    table = []
     for r in rows:
+        r = dict(r)
         for k in ("ttft_s", "tpot_s", "e2e_s"):
             for p in ("p50", "p99"):
                 r[f"{k.split('_')[0]}_{p}_ms"] = r[f"{k}_{p}"] * 1e3
-    print(markdown_table(rows, [
+        table.append(r)
+    print(markdown_table(table, [
         ("impl", "impl"), ("policy", "policy"), ("output_tok_s", "output tok/s"),
         ("requests_s", "req/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
         ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
         ("e2e_p50_ms", "e2e p50 ms"), ("slot_utilization_mean", "slot util")]))
-    for impl, policy in [("infer", "static"), ("hf-transformers", "static"),
-                         ("llama.cpp (Q4_1)", "one at a time")]:
-        if ratio(impl, policy) is not None:
-            print(f"continuous batching: {ratio(impl, policy):.2f}x the output tokens/s of "
-                  f"{impl} ({policy})")
-    plot(rows, timelines, out.replace(".jsonl", ".png"), max_num_seqs)
-    return rows
+    for r in rows:
+        if cont is not None and r is not cont:
+            print(f"continuous batching: {cont['output_tok_s'] / r['output_tok_s']:.2f}x the "
+                  f"output tokens/s of {r['impl']} ({r['policy']})")
 
 
-def plot(rows: list[dict], timelines: dict, path: str, max_num_seqs: int) -> None:
+def plot(rows: list[dict], path: str, max_num_seqs: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for policy, steps in timelines.items():
+    for r in rows:
+        if "timeline" not in r:
+            continue
+        policy, steps = r["policy"], r["timeline"]
         xs, ys = [], []
         for t0, t1, u in steps:
             xs += [t0, t1]
@@ -298,6 +329,7 @@ def plot(rows: list[dict], timelines: dict, path: str, max_num_seqs: int) -> Non
         ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> None:
@@ -310,8 +342,8 @@ def main(argv: list[str]) -> None:
         output_scale=FLAGS.output_scale, output_cap=FLAGS.output_cap,
         max_num_seqs=FLAGS.max_num_seqs, max_prefill_tokens=FLAGS.max_prefill_tokens,
         max_model_len=FLAGS.max_model_len, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
-        policies=FLAGS.policies, peers=[p for p in FLAGS.peers if p != "none"], seed=FLAGS.seed,
-        out=FLAGS.out)
+        policies=FLAGS.policies, peers=FLAGS.peers, seed=FLAGS.seed, out=FLAGS.out,
+        resume=FLAGS.resume)
 
 
 if __name__ == "__main__":

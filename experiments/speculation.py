@@ -42,13 +42,14 @@ Output: results/speculation.jsonl, Markdown tables on stdout, results/speculatio
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from absl import flags
+
+from experiments.common import define_resume_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
@@ -79,6 +80,7 @@ flags.DEFINE_bool("quick", False, "smoke run: ks 1,2; temperature 0; batch 1,2; 
 flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+define_resume_flag(FLAGS)
 
 HELD_OUT = 360_000  # real_text before this is draft training text
 GROUNDED = (
@@ -247,12 +249,12 @@ def run_workload(llm, prompts: list[list[int]], temperature: float, max_tokens: 
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]
-    first_record = len(llm.engine.records)
+    first_step = llm.engine.num_steps
     if probe is not None:
         probe.reset()
     before = _engine_stats(llm)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    records = llm.engine.records[first_record:]
+    records = llm.engine.step_records(first_step)
     row: dict[str, Any] = decode_time(records, probe)
     tokens = [o.token_ids for o in outputs]
     row["output_tokens"] = sum(map(len, tokens))
@@ -263,7 +265,7 @@ def run_workload(llm, prompts: list[list[int]], temperature: float, max_tokens: 
                                      if row["decode_row_steps"] else float("nan"))
     row["tpot_s_mean"] = _mean([o.metrics.tpot_s for o in outputs])
     row["ttft_s_mean"] = _mean([o.metrics.ttft_s for o in outputs])
-    row["token_ids"] = tokens
+    row["token_ids"] = [[int(t) for t in ids] for ids in tokens]  # as JSON reads them back
     if probe is not None:
         row["probe"] = probe.summary()
         after = _engine_stats(llm)
@@ -330,32 +332,15 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int) -> dict[str, An
     return row
 
 
-@contextlib.contextmanager
-def single_window(max_model_len: int) -> Iterator[None]:
-    """Engines made inside use one attention window, max_model_len (infer.runner.MIN_WINDOW).
-
-    Why: when prompt lookup finds nothing, the runner falls back to a plain decode step whose
-    page-table width covers num_computed + 1 tokens, while the scheduler has already reserved
-    pages for the k drafts; a row whose reservation crosses a window boundary then has more
-    pages than the table holds (ValueError in Runner._tables). One window avoids the boundary,
-    at the cost of attending over max_model_len slots every step, baseline and speculation
-    alike, and compiles fewer programs."""
-    from infer import runner
-
-    saved = runner.MIN_WINDOW
-    runner.MIN_WINDOW = max_model_len
-    try:
-        yield
-    finally:
-        runner.MIN_WINDOW = saved
-
-
 def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
-               warmup: str, seed: int, loaded, writer,
-               prompts: dict[str, list[list[int]]] | None = None) -> list[dict[str, Any]]:
+               warmup: str, seed: int, loaded, log,
+               prompts: dict[str, list[list[int]]] | None = None) -> None:
     """Baselines per batch size, prompt kind and temperature, then every runnable method x k
-    against them. `prompts` (kind -> token ids) replaces the held-out SmolLM2 prompts."""
+    against them, each row written to `log` as it is measured. `prompts` (kind -> token ids)
+    replaces the held-out SmolLM2 prompts."""
+    import functools
+
     from tqdm import tqdm
 
     from infer.llm import LLM
@@ -393,54 +378,59 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         row["untimed_passes"], row["programs_built_while_timed"] = attempt, built.count
         return row
 
-    rows = []
     total = len(batch_sizes) * (len(kinds) * len(temperatures)
                                 + len(runnable) * len(ks) * len(temperatures))
     bar = tqdm(total=total, desc="engine runs")
-    with single_window(max_model_len):
-        for batch in batch_sizes:
-            base_llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=batch, **engine_args)
-            if warmup == "engine":
-                base_llm.engine.warmup()
-            baselines = {}
-            for kind in kinds:
+    common = {"experiment": "speculation", "part": "engine", "max_tokens": max_tokens,
+              "snippet_chars": snippet_chars, "warmup": warmup, "seed": seed}
+
+    def engine(batch: int, speculative: dict | None):
+        llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=batch,
+                              speculative=speculative, **engine_args)
+        if warmup == "engine":
+            llm.engine.warmup()
+        return llm
+
+    for batch in batch_sizes:
+        base_llm = functools.cache(lambda batch=batch: engine(batch, None))  # made when needed
+        baselines = {}
+        for kind in kinds:
+            for t in temperatures:
+                # A baseline row keeps its token ids: a resumed speculative point compares
+                # its own output against them.
+                baselines[kind, t] = log.measure(
+                    {**common, "method": "none", "k": 0, "temperature": t, "batch": batch,
+                     "prompts": kind, "num_prompts": max(num_prompts, batch)},
+                    lambda kind=kind, t=t: {"speedup": 1.0,
+                                            **timed(base_llm(), kind, batch, t, None)})
+                bar.update(1)
+        base_llm.cache_clear()  # its KV cache goes before the speculative engines
+        for method in runnable:
+            kind = "grounded" if method == "ngram" else "chat"
+            for k in ks:
+                @functools.cache
+                def spec_llm(method=method, k=k, batch=batch):
+                    llm = engine(batch, {"method": method, "num_tokens": k})
+                    return llm, ProposerProbe(llm.engine.runner.proposer)
+
+                def measure(t: float, kind=kind, k=k, batch=batch) -> dict:
+                    llm, probe = spec_llm()
+                    base = baselines[kind, t]
+                    spec = timed(llm, kind, batch, t, probe)
+                    same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
+                            / len(base["token_ids"])) if t == 0 else None
+                    row = {**spec_row(base, spec, k), "greedy_identical": same}
+                    row.pop("token_ids")
+                    return row
+
                 for t in temperatures:
-                    row = timed(base_llm, kind, batch, t, None)
-                    baselines[kind, t] = row
-                    out = {"experiment": "speculation", "part": "engine", "method": "none", "k": 0,
-                           "temperature": t, "batch": batch, "prompts": kind,
-                           "num_prompts": max(num_prompts, batch), "max_tokens": max_tokens,
-                           "speedup": 1.0,
-                           **{key: v for key, v in row.items() if key != "token_ids"}}
-                    writer.write(out)
-                    rows.append(out)
+                    log.measure({**common, "method": method, "k": k, "temperature": t,
+                                 "batch": batch, "prompts": kind,
+                                 "num_prompts": max(num_prompts, batch)},
+                                lambda t=t, measure=measure: measure(t))
                     bar.update(1)
-            del base_llm
-            for method in runnable:
-                kind = "grounded" if method == "ngram" else "chat"
-                for k in ks:
-                    llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=batch,
-                                          speculative={"method": method, "num_tokens": k},
-                                          **engine_args)
-                    if warmup == "engine":
-                        llm.engine.warmup()
-                    probe = ProposerProbe(llm.engine.runner.proposer)
-                    for t in temperatures:
-                        base = baselines[kind, t]
-                        spec = timed(llm, kind, batch, t, probe)
-                        same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
-                                / len(base["token_ids"])) if t == 0 else None
-                        out = {"experiment": "speculation", "part": "engine", "method": method,
-                               "temperature": t, "batch": batch, "prompts": kind,
-                               "num_prompts": max(num_prompts, batch), "max_tokens": max_tokens,
-                               **spec_row(base, spec, k), "greedy_identical": same}
-                        out.pop("token_ids")
-                        writer.write(out)
-                        rows.append(out)
-                        bar.update(1)
-                    del llm
+                spec_llm.cache_clear()
     bar.close()
-    return rows
 
 
 # -- tree part -------------------------------------------------------------------------------
@@ -471,18 +461,20 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
 
 
 def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompts: int,
-             max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, writer,
-             prompts: list[list[int]] | None = None, eagle_path: str | None = None
-             ) -> list[dict[str, Any]]:
+             max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, log,
+             prompts: list[list[int]] | None = None, eagle_path: str | None = None) -> None:
     """Plain decoding, the EAGLE tree and the chain of its depth, per temperature, on chat
-    prompts (or `prompts`), with the head at `eagle_path` (default: the engine's)."""
+    prompts (or `prompts`), with the head at `eagle_path` (default: the engine's); each row
+    written to `log` as it is measured."""
+    import functools
+
     import jax.numpy as jnp
     from flax import nnx
     from tqdm import tqdm
 
     from infer.eagle import EagleHead, load_eagle
     from infer.engine import SpeculativeConfig
-    from infer.tree_speculation import plain_generate, speculator
+    from infer.tree_speculation import PlainGenerator, TreeSpeculator
 
     config, model, tokenizer = loaded
     path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
@@ -495,16 +487,18 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     else:
         print(f"[speculation] skipping the tree part: EAGLE weights {path} are missing "
               f"(--random_head runs it with an untrained head)")
-        return []
+        return
     if prompts is None:
         prompts = build_prompts(tokenizer, "chat", num_prompts, snippet_chars)
     prompts = prompts[:num_prompts]
     max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + branches ** (depth + 1) + 2) // 128)
     shapes = [("tree", branches, depth), ("chain", 1, depth)]
-    specs = {name: speculator(model, head, b, d, max_len) for name, b, d in shapes}
+    # Built when a point needs them; each holds its compiled programs for the whole sweep.
+    specs = functools.cache(lambda b, d: TreeSpeculator(model, head, b, d, max_len))
+    plain = functools.cache(lambda: PlainGenerator(model, max_len))
     eos = tokenizer.eos_ids if tokenizer is not None else ()
-    rows = []
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
+
     def run_all(fn) -> tuple[list[list[int]], dict[str, float]]:
         """fn(prompt, seed) over every prompt, after one untimed call that compiles; the
         outputs and the sums of the count and time stats."""
@@ -512,62 +506,65 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
         outs, totals = [], {}
         for i, p in enumerate(prompts):
             ids, stats = fn(p, seed + i)
-            outs.append(ids)
+            outs.append([int(x) for x in ids])
             for key in ("decode_s", "verify_steps", "accepted", "full_steps"):
                 totals[key] = totals.get(key, 0) + stats.get(key, 0)
         return outs, totals
 
-    for t in temperatures:
-        base_out, base = run_all(lambda p, s: plain_generate(
-            model, p, max_tokens, temperature=t, seed=s, eos_ids=eos, max_len=max_len))
+    def measure_plain(t: float) -> dict:
+        base_out, base = run_all(lambda p, s: plain().generate(
+            p, max_tokens, temperature=t, seed=s, eos_ids=eos))
         base_tokens = sum(len(o) - 1 for o in base_out)
-        base_tok_s = base_tokens / base["decode_s"]
-        step_s = base["decode_s"] / base_tokens
-        row = {"experiment": "speculation", "part": "tree", "method": "none", "tree": "none",
-               "head": head_kind, "temperature": t, "batch": 1, "num_prompts": num_prompts,
-               "max_tokens": max_tokens, "decode_tokens": base_tokens,
-               "decode_tok_s": base_tok_s, "decode_step_s": step_s, "speedup": 1.0}
-        writer.write(row)
-        rows.append(row)
+        # The token ids stay in the row: a resumed tree point compares its output against them.
+        return {"decode_tokens": base_tokens, "decode_tok_s": base_tokens / base["decode_s"],
+                "decode_step_s": base["decode_s"] / base_tokens, "speedup": 1.0,
+                "token_ids": base_out}
+
+    def measure_tree(b: int, d: int, t: float, base: dict) -> dict:
+        spec = specs(b, d)
+        base_tok_s, step_s = base["decode_tok_s"], base["decode_step_s"]
+        outs, tot = run_all(lambda p, s: spec.generate(p, max_tokens, temperature=t, seed=s,
+                                                       eos_ids=eos))
+        pieces = time_tree_pieces(spec, prompts[0], t)
+        tokens = sum(len(o) - 1 for o in outs)
+        steps, accepted = tot["verify_steps"], tot["accepted"]
+        # Levels the verifier judged: accepted ones plus a rejection, except in steps that
+        # accepted the whole depth. The acceptance rate counts `depth` proposed per step.
+        judged = accepted + steps - tot["full_steps"]
+        alpha = accepted / (steps * d) if steps else float("nan")
+        mle = accepted / judged if judged else float("nan")
+        c = pieces["draft_s"] / d / step_s
+        v = pieces["verify_s"] / step_s
+        tok_s = tokens / tot["decode_s"]
+        return {"nodes": spec.num_nodes, "decode_tokens": tokens, "decode_tok_s": tok_s,
+                "verify_steps": steps, "accepted": accepted, "acceptance_rate": alpha,
+                "alpha_mle": mle,
+                "mean_accepted_per_verify": accepted / steps if steps else float("nan"),
+                "tokens_per_verify": (accepted + steps) / steps if steps else float("nan"),
+                "baseline_decode_tok_s": base_tok_s, "speedup": tok_s / base_tok_s,
+                "draft_step_s": pieces["draft_s"], "verify_step_s": pieces["verify_s"],
+                "draft_cost_ratio": c, "verify_cost_ratio": v,
+                "pred_tokens_per_verify": expected_tokens(alpha, d),
+                "pred_tokens_per_verify_mle": expected_tokens(mle, d),
+                "pred_speedup": predicted_speedup(alpha, d, c, v),
+                "pred_speedup_mle": predicted_speedup(mle, d, c, v),
+                "pred_speedup_v1": predicted_speedup(alpha, d, c, 1.0),
+                "greedy_identical": (sum(a == b_ for a, b_ in zip(outs, base["token_ids"]))
+                                     / len(outs)) if t == 0 else None}
+
+    common = {"experiment": "speculation", "part": "tree", "head": head_kind, "batch": 1,
+              "num_prompts": num_prompts, "max_tokens": max_tokens,
+              "snippet_chars": snippet_chars, "seed": seed}
+    for t in temperatures:
+        base = log.measure({**common, "method": "none", "tree": "none", "temperature": t},
+                           lambda t=t: measure_plain(t))
         bar.update(1)
-        for name, b, d in shapes:
-            spec = specs[name]
-            outs, tot = run_all(lambda p, s: spec.generate(p, max_tokens, temperature=t, seed=s,
-                                                           eos_ids=eos))
-            pieces = time_tree_pieces(spec, prompts[0], t)
-            tokens = sum(len(o) - 1 for o in outs)
-            steps, accepted = tot["verify_steps"], tot["accepted"]
-            # Levels the verifier judged: accepted ones plus a rejection, except in steps that
-            # accepted the whole depth. The acceptance rate counts `depth` proposed per step.
-            judged = accepted + steps - tot["full_steps"]
-            alpha = accepted / (steps * d) if steps else float("nan")
-            mle = accepted / judged if judged else float("nan")
-            c = pieces["draft_s"] / d / step_s
-            v = pieces["verify_s"] / step_s
-            tok_s = tokens / tot["decode_s"]
-            row = {"experiment": "speculation", "part": "tree", "method": "eagle_tree",
-                   "tree": f"{b}x{d}", "branches": b, "depth": d, "k": d,
-                   "nodes": spec.num_nodes, "head": head_kind, "temperature": t, "batch": 1,
-                   "num_prompts": num_prompts, "max_tokens": max_tokens,
-                   "decode_tokens": tokens, "decode_tok_s": tok_s, "verify_steps": steps,
-                   "accepted": accepted, "acceptance_rate": alpha, "alpha_mle": mle,
-                   "mean_accepted_per_verify": accepted / steps if steps else float("nan"),
-                   "tokens_per_verify": (accepted + steps) / steps if steps else float("nan"),
-                   "baseline_decode_tok_s": base_tok_s, "speedup": tok_s / base_tok_s,
-                   "draft_step_s": pieces["draft_s"], "verify_step_s": pieces["verify_s"],
-                   "draft_cost_ratio": c, "verify_cost_ratio": v,
-                   "pred_tokens_per_verify": expected_tokens(alpha, d),
-                   "pred_tokens_per_verify_mle": expected_tokens(mle, d),
-                   "pred_speedup": predicted_speedup(alpha, d, c, v),
-                   "pred_speedup_mle": predicted_speedup(mle, d, c, v),
-                   "pred_speedup_v1": predicted_speedup(alpha, d, c, 1.0),
-                   "greedy_identical": (sum(a == b_ for a, b_ in zip(outs, base_out))
-                                        / len(outs)) if t == 0 else None}
-            writer.write(row)
-            rows.append(row)
+        for _, b, d in shapes:
+            log.measure({**common, "method": "eagle_tree", "tree": f"{b}x{d}", "branches": b,
+                         "depth": d, "k": d, "temperature": t},
+                        lambda b=b, d=d, t=t, base=base: measure_tree(b, d, t, base))
             bar.update(1)
     bar.close()
-    return rows
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -654,27 +651,27 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
         seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
-        eagle_path: str | None = None) -> list[dict[str, Any]]:
-    """Runs the parts; returns the rows (also appended to `out`). `loaded` is (config, model,
-    tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ..., "chat": ...} token
-    ids) and `eagle_path` replace the defaults (tests run a tiny model this way)."""
-    from experiments.common import JsonlWriter, markdown_table
+        eagle_path: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
+    """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
+    it is measured; with `resume`, points already there are not measured again). `loaded` is
+    (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
+    "chat": ...} token ids) and `eagle_path` replace the defaults (tests run a tiny model
+    this way)."""
+    from experiments.common import ResultLog, markdown_table, plot_path
     from infer.loader import load
 
     loaded = loaded or load("smollm2-135m", "float32")
-    writer = JsonlWriter(out)
-    rows: list[dict[str, Any]] = []
+    log = ResultLog(out, resume=resume)
     if "engine" in parts:
-        rows += run_engine(methods=methods, ks=ks, temperatures=temperatures,
-                           batch_sizes=batch_sizes, num_prompts=num_prompts,
-                           max_tokens=max_tokens, snippet_chars=snippet_chars, warmup=warmup,
-                           seed=seed, loaded=loaded, writer=writer, prompts=prompts)
+        run_engine(methods=methods, ks=ks, temperatures=temperatures, batch_sizes=batch_sizes,
+                   num_prompts=num_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
+                   warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts)
     if "tree" in parts:
-        rows += run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
-                         num_prompts=tree_prompts, max_tokens=max_tokens,
-                         snippet_chars=snippet_chars, random_head=random_head, seed=seed,
-                         loaded=loaded, writer=writer,
-                         prompts=(prompts or {}).get("chat"), eagle_path=eagle_path)
+        run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
+                 num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
+                 random_head=random_head, seed=seed, loaded=loaded, log=log,
+                 prompts=(prompts or {}).get("chat"), eagle_path=eagle_path)
+    rows = log.rows()
     engine_rows = [r for r in rows if r["part"] == "engine"]
     if engine_rows:
         print("\nEngine (chain) speculation; baselines are method none:")
@@ -684,7 +681,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         print("\neagle_generate at batch 1 (tree vs chain of the same depth):")
         print(markdown_table(tree_rows, [("tree", "tree"), ("head", "head")] + COLUMNS[2:]))
     if rows:
-        plot(rows, out.replace(".jsonl", ".png"))
+        plot(rows, plot_path(out))
     return rows
 
 
@@ -703,7 +700,7 @@ def main(argv: list[str]) -> None:
         snippet_chars=200 if quick else f.snippet_chars, warmup=f.warmup,
         tree_branches=f.tree_branches, tree_depth=f.tree_depth,
         tree_prompts=1 if quick else f.tree_prompts, random_head=f.random_head or quick,
-        seed=f.seed, out=f.out)
+        seed=f.seed, out=f.out, resume=f.resume)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     from flax import nnx
     from tqdm import tqdm
 
-    from experiments.common import JsonlWriter, markdown_table
+    from experiments.common import ResultLog, markdown_table
     from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
                                        training_split)
     from infer.draft import (DRAFT_CONFIG, SHARED, distill_loss, draft_own_params, load_draft,
@@ -65,7 +65,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     dataset, train_idx, held_idx = training_split(data, max_sequences)
     steps_per_epoch = math.ceil(len(train_idx) / batch_size)
     total = steps_per_epoch * epochs
-    writer = JsonlWriter(out)
+    log = ResultLog(out)
     settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
                     weight_decay=weight_decay, clip=clip, seed=seed,
                     train_sequences=len(train_idx), heldout_sequences=len(held_idx),
@@ -100,7 +100,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
         row = {"experiment": "train_draft", "model": f"self_draft_{layers}", "layers": layers,
                "epoch": None, **evaluator(graphdef)(params, shared),
                "seconds": time.perf_counter() - start, **settings}
-        writer.write(row)
+        log.append(row)
         rows.append(row)
         print(f"self-draft, first {layers} layers: held-out top-1 {row['heldout_top1']:.3f} "
               f"(generated text {row['heldout_top1_generated']:.3f}), KL {row['heldout_kl']:.3f}")
@@ -131,7 +131,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     name = f"draft_{num_layers}"
     row = {"experiment": "train_draft", "model": name, "layers": num_layers, "epoch": 0, "step": 0,
            **evaluate(params, shared), "seconds": time.perf_counter() - start, **settings}
-    writer.write(row)
+    log.append(row)
     rows.append(row)
     rng = np.random.default_rng(seed)
     step, curve = 0, []
@@ -151,7 +151,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
                "step": step, "train_kl": train.means()["loss"], "train_top1": train.means()["top1"],
                "lr": float(schedule(step)), **evaluate(params, shared),
                "seconds": time.perf_counter() - start, **settings}
-        writer.write(row)
+        log.append(row)
         rows.append(row)
         print(f"epoch {epoch}: train KL {row['train_kl']:.4f}; held-out KL {row['heldout_kl']:.4f}, "
               f"top-1 {row['heldout_top1']:.3f} (generated text {row['heldout_top1_generated']:.3f})")
@@ -165,7 +165,7 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     print(f"saved {weights}: {size / 1e6:.2f} MB (bfloat16, "
           f"{sum(x.size for x in draft_own_params(trained).values()) / 1e6:.2f}M parameters); "
           f"reloaded held-out top-1 {check['heldout_top1']:.3f}")
-    writer.write({"experiment": "train_draft", "final": True, "model": name, "weights": weights,
+    log.append({"experiment": "train_draft", "final": True, "model": name, "weights": weights,
                   "weights_bytes": size, "reloaded_heldout_top1": check["heldout_top1"],
                   "reloaded_heldout_top1_generated": check["heldout_top1_generated"],
                   "seconds": time.perf_counter() - start})

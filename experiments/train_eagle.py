@@ -129,7 +129,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     from flax import nnx
     from tqdm import tqdm
 
-    from experiments.common import JsonlWriter, markdown_table
+    from experiments.common import ResultLog, markdown_table
     from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
                                        training_split)
     from infer.eagle import EagleHead, load_eagle, save_eagle
@@ -197,7 +197,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                 "heldout_top1_both_generated": mg["top1_both"],
                 "heldout_positions": first.count, "heldout_generated_positions": gen.count}
 
-    writer = JsonlWriter(out)
+    log = ResultLog(out)
     settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
                     weight_decay=weight_decay, clip=clip, cls_weight=cls_weight,
                     step2_weight=step2_weight, noise=noise, seed=seed, init=init,
@@ -205,7 +205,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                     data_meta=dataset["meta"])
     rows = [{"experiment": "train_eagle", "epoch": 0, "step": 0, **evaluate(params),
              "seconds": time.perf_counter() - start, **settings}]
-    writer.write(rows[-1])
+    log.append(rows[-1])
     print(f"epoch 0 ({init or 'random init'}): held-out top-1 {rows[-1]['heldout_top1']:.3f}")
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
@@ -227,7 +227,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                "train_loss": means["loss"], "train_reg": means["reg"], "train_ce": means["ce"],
                "train_top1": means["top1"], "lr": float(schedule(step)), **evaluate(params),
                "seconds": time.perf_counter() - start, **settings}
-        writer.write(row)
+        log.append(row)
         rows.append(row)
         print(f"epoch {epoch}: train loss {row['train_loss']:.4f} (reg {row['train_reg']:.4f}, "
               f"ce {row['train_ce']:.3f}); held-out top-1 {row['heldout_top1']:.3f} "
@@ -242,7 +242,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
           f"{check['heldout_top1']:.3f}")
     rows[-1]["weights"], rows[-1]["weights_bytes"] = weights, size
     rows[-1]["reloaded_heldout_top1"] = check["heldout_top1"]
-    writer.write({"experiment": "train_eagle", "final": True, "weights": weights,
+    log.append({"experiment": "train_eagle", "final": True, "weights": weights,
                   "weights_bytes": size, "reloaded_heldout_top1": check["heldout_top1"],
                   "reloaded_heldout_top1_both": check["heldout_top1_both"],
                   "seconds": time.perf_counter() - start})

@@ -1,6 +1,6 @@
 """Smoke test of experiments/speculation.py on the tiny model: both parts run end to end, the
-JSONL rows carry their fields with sane values, greedy speculation changes no token, and a
-method without weights is skipped with a note."""
+JSONL rows carry their fields with sane values, greedy speculation changes no token, a method
+without weights is skipped with a note, and a resumed run measures no point already written."""
 
 from __future__ import annotations
 
@@ -82,3 +82,19 @@ def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> Non
         assert r["head"] == "random" and r["greedy_identical"] == 1.0
         assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["tokens_per_verify"] >= 1.0
         assert math.isfinite(r["pred_speedup"]) and r["decode_tok_s"] > 0
+
+    # A resumed run over the same file measures nothing (every point's row is there) and
+    # returns the same rows, a baseline's token ids included for its speculative points.
+    def measured(*args, **kwargs):
+        raise AssertionError("a resumed run measured a point that was already in the file")
+
+    monkeypatch.setattr(speculation, "run_workload", measured)
+    monkeypatch.setattr(speculation, "time_tree_pieces", measured)
+    again = speculation.run(
+        parts=["engine", "tree"], methods=["ngram", "draft"], ks=[2], temperatures=[0.0],
+        batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200, warmup="pass",
+        tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0, out=out,
+        loaded=(CONFIG, model, None), prompts={"grounded": grounded, "chat": chat},
+        eagle_path=str(tmp_path / "no_eagle.safetensors"), resume=True)
+    assert [r["key"] for r in again] == [r["key"] for r in rows]
+    assert len(read_jsonl(out)) == len(rows)
