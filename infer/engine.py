@@ -259,7 +259,13 @@ class Engine:
         return outputs
 
     def step_records(self, since: int = 0) -> list[StepRecord]:
-        """The kept step records with index >= `since` (`num_steps` before a run: its steps)."""
+        """The step records with index >= `since` (`num_steps` before a run: its steps).
+        Raises if the window no longer holds all of them, rather than summarize part of a run."""
+        oldest = self.records[0].index if self.records else self.num_steps
+        if since < oldest:
+            raise ValueError(f"step records from {since} on were asked for, but only the latest "
+                             f"{self.config.max_step_records} are kept (from {oldest}); raise "
+                             f"EngineConfig.max_step_records")
         return [r for r in self.records if r.index >= since]
 
     def _notify(self, out: RequestOutput) -> None:

@@ -92,6 +92,8 @@ def test_ten_thousand_requests_leave_bounded_state(tiny_model) -> None:
     assert len(engine.records) == 500 and engine.num_steps > 10_000
     assert [r.index for r in engine.step_records(engine.num_steps - 3)] == \
         list(range(engine.num_steps - 3, engine.num_steps))
+    with pytest.raises(ValueError, match="max_step_records"):
+        engine.step_records(0)  # a summary over dropped steps would be silently wrong
     assert len(engine._finished) == 100
     with pytest.raises(KeyError, match="finished longer ago"):
         engine.output("0")
