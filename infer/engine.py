@@ -184,8 +184,6 @@ class Engine:
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        elif request_id in self.scheduler.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
                        prompt=prompt, arrival_s=arrival_s)

@@ -44,11 +44,6 @@ def check_writes(starts: ArrayLike, ends: ArrayLike, capacity: ArrayLike,
         raise ValueError(f"write outside the KV cache: {rows}{more}")
 
 
-def is_concrete(meta: "AttentionMetadata") -> bool:
-    """Whether the metadata holds values (an eager call) rather than tracers (inside jit)."""
-    return not isinstance(meta.lengths, jax.core.Tracer)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
@@ -64,6 +59,15 @@ class AttentionMetadata:
     def starts(self) -> jax.Array:
         """Slot of each row's first new token."""
         return self.lengths - self.q_lens
+
+    def check_eager_writes(self, capacity: int) -> None:
+        """`check_writes` of this call's new tokens against `capacity` slots per row, when the
+        metadata holds values (an eager call). Under jit it holds tracers and checks nothing:
+        jitted callers check first, on the host."""
+        if isinstance(self.lengths, jax.core.Tracer):
+            return
+        lengths = np.asarray(self.lengths)
+        check_writes(lengths - np.asarray(self.q_lens), lengths, capacity)
 
     def new_token_slots(self) -> tuple[jax.Array, jax.Array]:
         """[B, T] slot of each new token and [B, T] whether it is a real (non-padding) token."""
@@ -124,9 +128,7 @@ class KVCache:
     def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata) -> "KVCache":
         """Stores the new tokens' keys and values. Slots past `max_len` raise when called eagerly;
         under jit they would be dropped, so jitted callers check first (`check_writes`)."""
-        if is_concrete(meta):
-            lengths = np.asarray(meta.lengths)
-            check_writes(lengths - np.asarray(meta.q_lens), lengths, self.max_len)
+        meta.check_eager_writes(self.max_len)
         slots, valid = meta.new_token_slots()
         slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
         rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)

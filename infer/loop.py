@@ -114,10 +114,6 @@ def decode_stream(model: Llama | Steps, prompts: Sequence[Sequence[int]],
                 cache = cache.resized(window)
             else:
                 state = dataclasses.replace(state, page_tables=tables_for(window))
-        # Rows advance together: each writes the slot after its own length so far.
-        check_writes(lengths + longest - lengths.max() - 1, lengths + longest - lengths.max(),
-                     cache.max_len if paged is None
-                     else state.page_tables.shape[1] * paged.page_size)
         state, _, cache = steps_fn.decode_step(cache, state)
         yield np.asarray(pending)
         pending = state.tokens

@@ -11,7 +11,6 @@ from infer.config import LlamaConfig
 from kernels_pallas.kv_quant import (KV_FORMAT_ALIASES, bytes_per_token_per_head,
                                      resolve_kv_format)
 
-# Short names people use for cache formats.
 GB = 1e9  # GPU memory is sold in decimal gigabytes (A100-80GB: 80e9 bytes)
 
 

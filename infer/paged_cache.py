@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer import attention
-from infer.kv_cache import AttentionMetadata, check_writes, is_concrete
+from infer.kv_cache import AttentionMetadata
 from kernels_pallas import kv_quant
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_prefill_attention import paged_prefill_attention
@@ -104,10 +104,7 @@ class PagedKVCache:
         """Stores the new tokens' keys and values through the page tables. A slot past a row's
         table raises when called eagerly; jitted callers, which alone know how many of the
         table's pages a row really holds, check first (`check_writes`)."""
-        if is_concrete(meta):
-            lengths = np.asarray(meta.lengths)
-            check_writes(lengths - np.asarray(meta.q_lens), lengths,
-                         meta.page_tables.shape[1] * self.page_size)
+        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
         # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from infer.sampling import SamplingParams
+from infer.sampling import SamplingParams, is_integer
 from infer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -40,7 +40,7 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
         raise ValueError("prompt_token_ids must be a sequence of ints, got a string")
     ids = []
     for t in prompt_token_ids:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+        if not is_integer(t):
             raise ValueError(f"prompt token ids must be ints, got {t!r}")
         ids.append(int(t))
     if not ids:

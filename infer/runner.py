@@ -25,7 +25,7 @@ from infer.buckets import bucket_for
 from infer.kv_cache import AttentionMetadata, check_writes
 from infer.model import Llama
 from infer.paged_cache import PagedKVCache, copy_pages
-from infer.sampling import SamplingArrays
+from infer.sampling import SamplingArrays, is_integer
 from infer.scheduler import PrefillChunk, SeqState, StepPlan
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         w = self.min_window
-        if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+        if not is_integer(w) or w < 1:
             raise ValueError(f"min_window must be a positive number of tokens, got {w!r}")
 
     @property

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _integer(x: object) -> bool:
+def is_integer(x: object) -> bool:
     """An int or numpy integer, but not a bool (True is an int in Python: max_tokens=True is a
     mistake, not 1 token)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
@@ -73,16 +73,16 @@ class SamplingParams:
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_integer(self.top_k) and self.top_k >= 0):
+        if not (is_integer(self.top_k) and self.top_k >= 0):
             problems.append(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if not (_integer(self.max_tokens) and self.max_tokens >= 1):
+        if not (is_integer(self.max_tokens) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not (self.seed is None or (_integer(self.seed) and 0 <= self.seed < 2**32)):
+        if not (self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**32)):
             problems.append(f"seed must be None (a fresh seed per request) or an int in "
                             f"[0, 2**32), got {self.seed!r}")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
-        if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_integer(t) and t >= 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

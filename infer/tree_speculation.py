@@ -393,9 +393,8 @@ class PlainGenerator:
         prefill_s = time.perf_counter() - start
         start, stop = time.perf_counter(), set(eos_ids)
         while len(out) < max_new_tokens and out[-1] not in stop:
-            length = n + len(out) - 1  # the slot the fed token is written to
-            check_writes(length, length + 1, max_len)
-            token, cache = self._decode(self.params, cache, token, jnp.int32(length),
+            # The fed token goes to slot n + len(out) - 1 < max_len (checked above).
+            token, cache = self._decode(self.params, cache, token, jnp.int32(n + len(out) - 1),
                                         jnp.int32(len(out)), temp, sd, sampled)
             out.append(int(token))
         decode_s = time.perf_counter() - start
