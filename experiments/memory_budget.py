@@ -4,8 +4,8 @@ only: no model is loaded.
 
   python -m experiments.memory_budget --gpus=4 --gpu_memory_gb=80 --contexts=2048,4096,32768
 
-Quantized formats carry bfloat16 scales (2 bytes) (fp8: one per head and token; int4: one per group of 32),
-so their real cost is above the ideal bits; both are reported.
+Quantized formats carry bfloat16 scales of 2 bytes (fp8: one per head and token; int4: one per
+group of 32), so their real cost is above the ideal bits; both are reported.
 """
 
 from __future__ import annotations
