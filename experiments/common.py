@@ -275,7 +275,7 @@ def load_hf_smollm2(dtype: str) -> Any:
     import torch
     import transformers
 
-    from infer.checkpoint import smollm2_gguf_path
+    from infer.io.checkpoint import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(

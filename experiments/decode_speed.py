@@ -37,18 +37,24 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, load_hf_smollm2, markdown_table,
-                                    measure_ceilings, real_text, usable_peers)
-    from infer.memory import kv_bytes_per_token
-    from infer.loader import load
-    from infer.loop import decode_stream
-    from infer.sampling import SamplingParams
-    from infer.steps import Steps
+    from experiments.common import (
+        ResultLog,
+        load_hf_smollm2,
+        markdown_table,
+        measure_ceilings,
+        real_text,
+        usable_peers,
+    )
+    from infer.cache.budget import kv_bytes_per_token
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.simple_loop import decode_stream
+    from infer.io.loader import load
+    from infer.sampling_params import SamplingParams
 
     peers = usable_peers(peers, "decode_speed")  # before any work
     log = ResultLog(out, resume=resume)
     config, model, tokenizer = load("smollm2-135m", dtype)
-    steps = Steps(model)
+    steps = DeviceSteps(model)
     ids = tokenizer.encode(real_text(200_000))
     prompts = lambda b: [ids[i * prompt_len:(i + 1) * prompt_len] for i in range(b)]
     params = SamplingParams(ignore_eos=True)

@@ -38,8 +38,9 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
     import numpy as np
 
     from experiments.spec_data import generated_mask
-    from infer.eagle import eagle_forward, eagle_logits
-    from infer.kv_cache import AttentionMetadata, KVCache
+    from infer.cache.contiguous import KVCache
+    from infer.cache.metadata import AttentionMetadata
+    from infer.spec.eagle_head import eagle_forward, eagle_logits
 
     c = target.config
     tokens = jnp.asarray([list(prompt) + list(answer)])
@@ -64,9 +65,9 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
 
     from experiments.common import ResultLog, markdown_table
     from experiments.speculation import build_prompts
-    from infer.eagle import load_eagle
-    from infer.loader import load
-    from infer.tree_speculation import PlainGenerator
+    from infer.io.loader import load
+    from infer.spec.eagle_head import load_eagle
+    from infer.spec.tree import PlainGenerator
 
     log = ResultLog(out, resume=resume)
 

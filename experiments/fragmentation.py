@@ -31,7 +31,7 @@ import numpy as np
 from absl import flags
 
 from experiments.common import define_resume_flag
-from infer.page_allocator import PageAllocator, SequencePages
+from infer.cache.page_allocator import PageAllocator, SequencePages
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_requests", 1000, "requests in the run", flag_values=FLAGS)
@@ -121,7 +121,7 @@ def simulate(requests: list[Request], *, kv_tokens: int, max_model_len: int, pol
     waiting: collections.deque[_Seq] = collections.deque()
     running: list[_Seq] = []  # admission order: the newest is preempted first
     allocated = held = to_fill = batch = busy = 0  # sums over steps
-    # Steps where an arrived request waits: memory, not traffic, limits the batch there.
+    # DeviceSteps where an arrived request waits: memory, not traffic, limits the batch there.
     full_steps = full_batch = full_held = 0
     max_batch = preemptions = wait_steps = done = 0
     step = 0

@@ -36,8 +36,8 @@ def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_s
     import jax.numpy as jnp
     import numpy as np
 
-    from infer.kv_cache import AttentionMetadata
-    from infer.paged_cache import PagedKVCache
+    from infer.cache.metadata import AttentionMetadata
+    from infer.cache.paged import PagedKVCache
 
     n = len(ids)
     pages = -(-n // page_size)
@@ -67,14 +67,14 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
     from tqdm import tqdm
 
     from experiments.common import ResultLog, markdown_table, plot_path, real_text
-    from infer.loader import load
-    from infer.loop import PagedLayout, decode_stream
-    from infer.memory import kv_bytes_per_token
-    from infer.sampling import SamplingParams
-    from infer.steps import Steps
+    from infer.cache.budget import kv_bytes_per_token
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.simple_loop import PagedLayout, decode_stream
+    from infer.io.loader import load
+    from infer.sampling_params import SamplingParams
 
     config, model, tokenizer = load("smollm2-135m", "float32")
-    steps = Steps(model)
+    steps = DeviceSteps(model)
     # The last part of the pydoc text: the first part is kept for training drafts (issue 6).
     ids = tokenizer.encode(real_text(60_000, offset=380_000))[:eval_tokens + 1]
     if len(ids) < eval_tokens + 1:

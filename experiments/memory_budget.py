@@ -40,8 +40,8 @@ LLAMA3_70B_BF16_BYTES = 327_680
 def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
                weight_dtype: str, overhead_fraction: float, contexts: list[int]) -> dict:
     """One model × format point; a model whose weights leave no room gets fits=False, 0 users."""
-    from infer.config import get_config
-    from infer.memory import GB, gqa_saving, kv_bytes_per_token, kv_format_name, memory_budget
+    from infer.cache.budget import GB, gqa_saving, kv_bytes_per_token, kv_format_name, memory_budget
+    from infer.model.config import get_config
 
     config = get_config(model)
     name = kv_format_name(kv_format)
@@ -105,8 +105,8 @@ def run(*, models: list[str], kv_formats: list[str], gpus: int, gpu_memory_gb: f
 
 def exercise_answers(common: dict) -> str:
     """The lesson's exercises 1 (FP16 vs FP8 vs INT4 users for Llama-3-70B at 4k) and 3 (GQA)."""
-    from infer.config import get_config
-    from infer.memory import kv_bytes_per_token
+    from infer.cache.budget import kv_bytes_per_token
+    from infer.model.config import get_config
 
     ctx = PLOT_CONTEXT
     common = {**common, "contexts": [ctx]}

@@ -19,8 +19,8 @@ import numpy as np
 from absl import flags
 
 from experiments.common import define_resume_flag
-from infer.page_allocator import PageAllocator
-from infer.prefix_cache import PrefixCache
+from infer.cache.page_allocator import PageAllocator
+from infer.cache.prefix_cache import PrefixCache
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["alone", "system", "chat"], "parts to run: alone (cache only, no "
@@ -138,7 +138,7 @@ def run_cache_alone(**kwargs: Any) -> list[dict]:
 
 
 def _engine(model, tokenizer, caching: bool, max_model_len: int):
-    from infer.engine import Engine, EngineConfig
+    from infer.engine.engine import Engine, EngineConfig
     return Engine(model, tokenizer, EngineConfig(
         max_num_seqs=8, max_prefill_tokens=256, max_model_len=max_model_len,
         enable_prefix_caching=caching))
@@ -166,7 +166,7 @@ def system_prompt_workload(tokenizer, *, num_requests: int, system_tokens: int, 
 def run_system_prompt(model, tokenizer, work: list, caching: bool) -> dict:
     """The system-prompt workload served with the prefix cache on or off: one row."""
     from experiments.serve import serve_infer
-    from infer.metrics import summarize
+    from infer.engine.metrics import summarize
 
     engine = _engine(model, tokenizer, caching, 2048)
     engine.warmup(progress=True)
@@ -182,7 +182,7 @@ def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns
     turn's prompt extends the previous one's, answer included. One row; the questions depend
     only on `seed`, so runs with the cache on and off ask the same."""
     from experiments.common import real_text
-    from infer.sampling import SamplingParams
+    from infer.sampling_params import SamplingParams
 
     text = tokenizer.encode(real_text(40_000, offset=250_000))
     rng = np.random.default_rng(seed)
@@ -281,7 +281,7 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
     if {"system", "chat"} & set(parts):
         @functools.cache
         def loaded():
-            from infer.loader import load
+            from infer.io.loader import load
             _, model, tokenizer = load("smollm2-135m")
             return model, tokenizer
 

@@ -4,7 +4,7 @@ matmul FLOP/s, copy bandwidth) measured in the same run. Runs unchanged on CPU, 
 
   python -m experiments.roofline --batch_sizes=1,8,64 --prefill_lengths=32,128 --context=128
 
-Every step is timed through `Steps.prefill_step`, what serving runs: decode is a prefill step of
+Every step is timed through `DeviceSteps.prefill_step`, what serving runs: decode is a prefill step of
 one new token per row after `context` cached tokens (the same slot rewritten each time), prefill
 is `prefill_batch` rows of T new tokens into an empty cache. Each timing sample runs
 `steps_per_sample` steps back to back (the donated cache threaded through) and blocks once; the
@@ -199,8 +199,10 @@ def measure_point(steps: Any, config: Any, *, batch: int, new_tokens: int, cache
     import jax.numpy as jnp
     import numpy as np
 
-    from infer.kv_cache import AttentionMetadata, KVCache
-    from infer.sampling import SamplingArrays, SamplingParams
+    from infer.cache.contiguous import KVCache
+    from infer.cache.metadata import AttentionMetadata
+    from infer.sampling import SamplingArrays
+    from infer.sampling_params import SamplingParams
 
     slots = cache_len(cached + new_tokens)
     rng = np.random.default_rng(seed)
@@ -239,12 +241,12 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
     from tqdm import tqdm
 
     from experiments.common import ResultLog, markdown_table, measure_ceilings
-    from infer.loader import load, resolve_dtype
-    from infer.memory import kv_bytes_per_token
-    from infer.steps import Steps
+    from infer.cache.budget import kv_bytes_per_token
+    from infer.engine.device_steps import DeviceSteps
+    from infer.io.loader import load, resolve_dtype
 
     config, model, _ = load("smollm2-135m", dtype)
-    steps = Steps(model)
+    steps = DeviceSteps(model)
     weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(steps.params)))
     kv_bpt = kv_bytes_per_token(config, kv_dtype)
     backend = jax.default_backend()

@@ -79,7 +79,7 @@ def serve_infer(engine, work: list[WorkItem], desc: str):
     """Feeds the workload to the engine in real time; returns (metrics, step records, wall s)."""
     from tqdm import tqdm
 
-    from infer.sampling import SamplingParams
+    from infer.sampling_params import SamplingParams
 
     pending = collections.deque(work)
     ids, finished = [], {}
@@ -117,7 +117,7 @@ def serve_hf(model, work: list[WorkItem], batch_size: int, desc: str):
     from tqdm import tqdm
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from infer.request import RequestMetrics
+    from infer.engine.request import RequestMetrics
 
     class StepClock(LogitsProcessor):
         def __init__(self) -> None:
@@ -165,7 +165,7 @@ def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos
     from llama_cpp import Llama
     from tqdm import tqdm
 
-    from infer.request import RequestMetrics
+    from infer.engine.request import RequestMetrics
 
     llm = Llama(model_path=gguf_path, n_ctx=max_model_len, n_threads=os.cpu_count() or 2,
                 n_batch=256, verbose=False, use_extra_bufts=False)
@@ -205,15 +205,14 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
     them (each appended the moment it is measured; with `resume`, ones already there are kept
     and not measured again)."""
-    from experiments.common import (ResultLog, load_hf_smollm2, plot_path, real_text,
-                                    usable_peers)
+    from experiments.common import ResultLog, load_hf_smollm2, plot_path, real_text, usable_peers
 
     peers = usable_peers(peers, "serve")  # before any work: a missing package is one line
     log = ResultLog(out, resume=resume)
-    from infer.checkpoint import smollm2_gguf_path
-    from infer.engine import Engine, EngineConfig
-    from infer.loader import load
-    from infer.metrics import summarize
+    from infer.engine.engine import Engine, EngineConfig
+    from infer.engine.metrics import summarize
+    from infer.io.checkpoint import smollm2_gguf_path
+    from infer.io.loader import load
 
     config, model, tokenizer = load("smollm2-135m", dtype)
     text_ids = tokenizer.encode(real_text(400_000))

@@ -89,15 +89,16 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
     import numpy as np
     from tqdm import tqdm
 
-    from infer.kv_cache import AttentionMetadata, KVCache
-    from infer.loader import load
-    from infer.loop import decode_stream
-    from infer.sampling import SamplingParams
-    from infer.steps import Steps
+    from infer.cache.contiguous import KVCache
+    from infer.cache.metadata import AttentionMetadata
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.simple_loop import decode_stream
+    from infer.io.loader import load
+    from infer.sampling_params import SamplingParams
 
     start_time = time.perf_counter()
     config, model, tokenizer = load("smollm2-135m", "float32")
-    steps = Steps(model)
+    steps = DeviceSteps(model)
     rng = np.random.default_rng(seed)
     prompts, chat = build_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
     greedy = rng.random(num_sequences) < greedy_fraction

@@ -107,8 +107,9 @@ def held_out_paragraphs(count: int, min_chars: int = 200, max_chars: int = 500,
                         skip: int = 0) -> list[str]:
     """Prose paragraphs (no tables or code listings) of the held-out text, in order, the first
     `skip` left out; each cut to `max_chars` at a sentence end where possible."""
-    from experiments.common import real_text
     from pydoc_data.topics import topics
+
+    from experiments.common import real_text
 
     total = len("\n\n".join(topics[k] for k in sorted(topics)))
     text = real_text(total - HELD_OUT, offset=HELD_OUT)
@@ -245,7 +246,7 @@ def decode_time(records: Sequence[Any], probe: ProposerProbe | None = None
 def run_workload(llm, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
                  probe: ProposerProbe | None) -> dict[str, Any]:
     """One timed pass of the prompts through the engine; the row's measurements."""
-    from infer.sampling import SamplingParams
+    from infer.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]
@@ -287,7 +288,7 @@ def _mean(values: Sequence[float | None]) -> float:
 
 def missing_weights(method: str) -> str | None:
     """The weights file a method needs and lacks (None when it has what it needs)."""
-    from infer.engine import SpeculativeConfig
+    from infer.spec.config import SpeculativeConfig
 
     field = WEIGHT_PATHS.get(method)
     if field is None:
@@ -344,7 +345,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
     from tqdm import tqdm
 
     from infer.llm import LLM
-    from infer.runner import CompileCounter
+    from infer.platform import CompileCounter
 
     config, model, tokenizer = loaded
     runnable = []
@@ -472,9 +473,9 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from flax import nnx
     from tqdm import tqdm
 
-    from infer.eagle import EagleHead, load_eagle
-    from infer.engine import SpeculativeConfig
-    from infer.tree_speculation import PlainGenerator, TreeSpeculator
+    from infer.spec.config import SpeculativeConfig
+    from infer.spec.eagle_head import EagleHead, load_eagle
+    from infer.spec.tree import PlainGenerator, TreeSpeculator
 
     config, model, tokenizer = loaded
     path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
@@ -658,7 +659,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
     "chat": ...} token ids) and `eagle_path` replace the defaults (tests run a tiny model
     this way)."""
     from experiments.common import ResultLog, markdown_table, plot_path
-    from infer.loader import load
+    from infer.io.loader import load
 
     loaded = loaded or load("smollm2-135m", "float32")
     log = ResultLog(out, resume=resume)

@@ -54,11 +54,23 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
     from tqdm import tqdm
 
     from experiments.common import ResultLog, markdown_table
-    from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
-                                       training_split)
-    from infer.draft import (DRAFT_CONFIG, SHARED, distill_loss, draft_own_params, load_draft,
-                             save_draft, self_draft)
-    from infer.loader import load
+    from experiments.spec_data import (
+        MetricMeans,
+        batches,
+        generated_mask,
+        make_optimizer,
+        training_split,
+    )
+    from infer.io.loader import load
+    from infer.spec.draft_model import (
+        DRAFT_CONFIG,
+        SHARED,
+        draft_own_params,
+        load_draft,
+        save_draft,
+        self_draft,
+    )
+    from infer.spec.training import distill_loss
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")

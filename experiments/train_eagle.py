@@ -55,7 +55,7 @@ def step_two_cache_class():
     import jax
     import jax.numpy as jnp
 
-    from infer import attention
+    from infer.cache import attention
 
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass(frozen=True)
@@ -94,8 +94,9 @@ def losses(head, target, hidden, tokens, lengths, *, cls_weight, step2_weight, n
     import jax
     import jax.numpy as jnp
 
-    from infer.eagle import eagle_forward, feature_loss
-    from infer.kv_cache import AttentionMetadata
+    from infer.cache.metadata import AttentionMetadata
+    from infer.spec.eagle_head import eagle_forward
+    from infer.spec.training import feature_loss
 
     noise_arr = None
     if noise > 0:
@@ -130,10 +131,15 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     from tqdm import tqdm
 
     from experiments.common import ResultLog, markdown_table
-    from experiments.spec_data import (MetricMeans, batches, generated_mask, make_optimizer,
-                                       training_split)
-    from infer.eagle import EagleHead, load_eagle, save_eagle
-    from infer.loader import load
+    from experiments.spec_data import (
+        MetricMeans,
+        batches,
+        generated_mask,
+        make_optimizer,
+        training_split,
+    )
+    from infer.io.loader import load
+    from infer.spec.eagle_head import EagleHead, load_eagle, save_eagle
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")

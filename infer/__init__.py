@@ -8,14 +8,17 @@ import importlib
 
 _EXPORTS = {
     "LLM": "infer.llm",
-    "SamplingParams": "infer.sampling",
-    "RequestOutput": "infer.request",
-    "RequestMetrics": "infer.request",
-    "FinishReason": "infer.request",
-    "load": "infer.loader",
-    "LlamaConfig": "infer.config",
-    "get_config": "infer.config",
-    "PRESETS": "infer.config",
+    "SamplingParams": "infer.sampling_params",
+    "RequestOutput": "infer.engine.request",
+    "RequestMetrics": "infer.engine.request",
+    "FinishReason": "infer.engine.request",
+    "load": "infer.io.loader",
+    "LlamaConfig": "infer.model.config",
+    "get_config": "infer.model.config",
+    "PRESETS": "infer.model.config",
+    "Engine": "infer.engine.engine",
+    "EngineConfig": "infer.engine.engine",
+    "SpeculativeConfig": "infer.spec.config",
 }
 
 __all__ = sorted(_EXPORTS)

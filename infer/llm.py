@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from infer.config import LlamaConfig
-from infer.engine import Engine, EngineConfig, SpeculativeConfig
-from infer.loader import load
-from infer.model import Llama
-from infer.request import RequestOutput
-from infer.sampling import SamplingParams
-from infer.tokenizer import Tokenizer
+from infer.engine.engine import Engine, EngineConfig
+from infer.engine.request import RequestOutput
+from infer.io.loader import load
+from infer.io.tokenizer import Tokenizer
+from infer.model.config import LlamaConfig
+from infer.model.llama import Llama
+from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig
 
 Conversation = list[dict[str, str]]
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+
 
 def configure_xla_cpu() -> None:
     """Quiets JAX's notice that it found no TPU (it logs one at every start on a CPU machine)."""
@@ -32,3 +34,27 @@ def enable_compilation_cache(path: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+class CompileCounter:
+    """Counts programs made executable while active, through JAX's monitoring events. The
+    event times `compile_or_get_cached`, so it fires once per program whether XLA compiles it or
+    loads it from the persistent compilation cache (a program an earlier engine or process
+    compiled is still one this process had not run)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax._src import monitoring
+        monitoring.unregister_event_duration_listener(self._listener)

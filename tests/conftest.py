@@ -24,14 +24,14 @@ def compilation_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from infer.checkpoint import smollm2_gguf_path
+    from infer.io.checkpoint import smollm2_gguf_path
     return smollm2_gguf_path()
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """(config, model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded by infer."""
-    from infer.loader import load
+    from infer.io.loader import load
     return load("smollm2-135m", "float32")
 
 
@@ -54,8 +54,8 @@ def tiny_model():
     import jax.numpy as jnp
     from flax import nnx
 
-    from infer.config import get_config
-    from infer.model import Llama
+    from infer.model.config import get_config
+    from infer.model.llama import Llama
     return Llama(get_config("tiny"), jnp.float32, nnx.Rngs(3))
 
 
@@ -66,10 +66,10 @@ def tiny_weights(tmp_path_factory) -> dict[str, str]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from infer.config import get_config
-    from infer.draft import draft_config, save_draft
-    from infer.eagle import EagleHead, save_eagle
-    from infer.model import Llama
+    from infer.model.config import get_config
+    from infer.model.llama import Llama
+    from infer.spec.draft_model import draft_config, save_draft
+    from infer.spec.eagle_head import EagleHead, save_eagle
     tiny = get_config("tiny")
     root = tmp_path_factory.mktemp("tiny_weights")
     paths = {"draft": str(root / "draft.safetensors"), "eagle": str(root / "eagle.safetensors")}

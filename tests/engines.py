@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from infer.engine import Engine, EngineConfig
-from infer.model import Llama
+from infer.engine.engine import Engine, EngineConfig
+from infer.model.llama import Llama
 
 
 def tiny_engine(model: Llama, **overrides) -> Engine:

@@ -8,8 +8,8 @@ import random
 
 import numpy as np
 
-from infer.page_allocator import PageAllocator
-from infer.scheduler import SeqState, StepPlan
+from infer.cache.page_allocator import PageAllocator
+from infer.engine.plan import SeqState, StepPlan
 
 VOCAB = 97
 EOS = 0

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.sampling import SamplingArrays, SamplingParams, sample, warp_logits
+from infer.sampling import SamplingArrays, sample, warp_logits
+from infer.sampling_params import SamplingParams
 
 V = 12
 LOGITS = np.log(np.array([30, 20, 12, 9, 8, 6, 5, 4, 3, 1.5, 1, 0.5], np.float32))

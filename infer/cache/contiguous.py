@@ -1,0 +1,77 @@
+"""KV caches as pytrees, and the per-step attention metadata that says where new tokens go.
+
+Each cache class implements the same two operations, so the model never knows which one it
+holds: `write(layer, k, v, meta)` stores the new tokens' keys and values and returns the new
+cache, `attend(layer, q, meta)` runs attention of the new queries over the cached tokens.
+
+Slots and positions are different things: a token's *slot* is its index in its sequence's cache
+(0, 1, 2, ...), its *position* is what RoPE sees. They coincide except in tree speculation, where
+siblings sit in consecutive slots but share a position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from infer.cache import attention
+from infer.cache.metadata import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Contiguous cache: every sequence owns `max_len` slots; one head-major `[B, K, S, D]` array
+    per layer for keys and one for values (logically `[L, B, K, S, D]`).
+
+    Separate per-layer arrays, sized to what the batch needs now and grown by `resized` as it
+    lengthens, let attention read a layer's keys in place: any slice of a larger array (a layer
+    of a stacked cache, the used prefix of a max-length one) was copied by XLA:CPU before each
+    product. Head-major: see `attention.masked_attention`.
+    """
+
+    k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+    v: tuple[jax.Array, ...]
+
+    @staticmethod
+    def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+               dtype: jnp.dtype = jnp.float32) -> "KVCache":
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return KVCache(k=zeros(), v=zeros())
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def resized(self, max_len: int) -> "KVCache":
+        """The same cache with room for `max_len` slots (existing slots kept, new ones zero)."""
+        if max_len < self.max_len:
+            raise ValueError(f"cannot shrink the cache from {self.max_len} to {max_len} slots")
+        return _grow(self, max_len)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata) -> "KVCache":
+        """Stores the new tokens' keys and values. Slots past `max_len` raise when called eagerly;
+        under jit they would be dropped, so jitted callers check first (`check_writes`)."""
+        meta.check_eager_writes(self.max_len)
+        slots, valid = meta.new_token_slots()
+        slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
+        rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)
+        # Advanced indices split by a slice: the scattered dims come first, [B, T, K, D].
+        put = lambda cache, new: cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+        new_k = self.k[:layer] + (put(self.k[layer], k),) + self.k[layer + 1:]
+        new_v = self.v[:layer] + (put(self.v[layer], v),) + self.v[layer + 1:]
+        return KVCache(k=new_k, v=new_v)
+
+    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        return attention.masked_attention(q, self.k[layer], self.v[layer],
+                                          attention.visibility_mask(meta, self.max_len))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # no donation: the output is larger
+def _grow(cache: KVCache, max_len: int) -> KVCache:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)))
+    return KVCache(k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)))

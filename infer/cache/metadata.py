@@ -1,0 +1,94 @@
+"""The per-step attention metadata that says where new tokens go, and the host-side bounds check
+of every write."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpy.typing import ArrayLike
+
+
+def check_writes(starts: ArrayLike, ends: ArrayLike, capacity: ArrayLike,
+                 names: Sequence[str] | None = None) -> None:
+    """Raises ValueError naming each row (and `names[row]`, e.g. its request) whose writes,
+    slots [starts, ends) per row, do not lie in [0, capacity) (per row, or one for all); rows
+    with ends <= starts write nothing.
+
+    The one bounds check of every host caller that builds metadata (the runner, the proposers,
+    the simple loop, tree speculation) and of eager cache writes. It must run on the host: the
+    jitted write cannot raise, and out of range it drops (contiguous) or lands on another slot
+    (a paged row's table is padded with page 0), silently either way."""
+    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
+    capacity = np.broadcast_to(np.asarray(capacity), starts.shape)
+    bad = np.flatnonzero((ends > starts) & ((starts < 0) | (ends > capacity)))
+    if bad.size:
+        label = lambda b: f"row {b}" + (f" ({names[b]})" if names is not None else "")
+        rows = "; ".join(f"{label(b)} writes slots [{starts[b]}, {ends[b]}) but has room for "
+                         f"{capacity[b]}" for b in bad[:8])
+        more = f" (and {bad.size - 8} more rows)" if bad.size > 8 else ""
+        raise ValueError(f"write outside the KV cache: {rows}{more}")
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """What one model call needs to know about the batch, as arrays (never static)."""
+
+    positions: jax.Array  # [B, T] int32, RoPE positions of the new tokens
+    lengths: jax.Array  # [B] int32, tokens in the cache after this call (old + new)
+    q_lens: jax.Array  # [B] int32, valid new tokens of each row (<= T); the rest is padding
+    page_tables: jax.Array | None = None  # [B, n] int32, paged caches only
+    tree_mask: jax.Array | None = None  # [B, T, T] bool: new token i sees new token j
+
+    @property
+    def starts(self) -> jax.Array:
+        """Slot of each row's first new token."""
+        return self.lengths - self.q_lens
+
+    def check_eager_writes(self, capacity: int) -> None:
+        """`check_writes` of this call's new tokens against `capacity` slots per row, when the
+        metadata holds values (an eager call). Under jit it holds tracers and checks nothing:
+        jitted callers check first, on the host."""
+        if isinstance(self.lengths, jax.core.Tracer):
+            return
+        lengths = np.asarray(self.lengths)
+        check_writes(lengths - np.asarray(self.q_lens), lengths, capacity)
+
+    def new_token_slots(self) -> tuple[jax.Array, jax.Array]:
+        """[B, T] slot of each new token and [B, T] whether it is a real (non-padding) token."""
+        t = jnp.arange(self.positions.shape[1], dtype=jnp.int32)
+        slots = self.starts[:, None] + t[None, :]
+        return slots, t[None, :] < self.q_lens[:, None]
+
+    @staticmethod
+    def for_prefill(q_lens: jax.Array, num_tokens: int, cached: jax.Array | None = None,
+                    page_tables: jax.Array | None = None) -> "AttentionMetadata":
+        """Rows of `num_tokens` (padded) new tokens following `cached` tokens already stored."""
+        q_lens = jnp.asarray(q_lens, jnp.int32)
+        cached = jnp.zeros_like(q_lens) if cached is None else jnp.asarray(cached, jnp.int32)
+        positions = cached[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+        return AttentionMetadata(positions=positions, lengths=cached + q_lens, q_lens=q_lens,
+                                 page_tables=page_tables)
+
+    @staticmethod
+    def for_tree(cached: jax.Array, q_lens: jax.Array, offsets: jax.Array, tree_mask: jax.Array,
+                 page_tables: jax.Array | None = None) -> "AttentionMetadata":
+        """Rows of tree nodes after `cached` tokens: node i sits in slot cached + i, at position
+        cached + offsets[i] (its depth below the tree's root, siblings alike), and sees the cache
+        and the nodes tree_mask [B, T, T] allows (its ancestors and itself)."""
+        cached = jnp.asarray(cached, jnp.int32)
+        q_lens = jnp.asarray(q_lens, jnp.int32)
+        offsets = jnp.asarray(offsets, jnp.int32)
+        positions = cached[:, None] + (offsets if offsets.ndim == 2 else offsets[None, :])
+        return AttentionMetadata(positions=positions, lengths=cached + q_lens, q_lens=q_lens,
+                                 page_tables=page_tables, tree_mask=tree_mask)
+
+    @staticmethod
+    def for_decode(cached: jax.Array, page_tables: jax.Array | None = None) -> "AttentionMetadata":
+        """One new token per row, after `cached` tokens."""
+        cached = jnp.asarray(cached, jnp.int32)
+        return AttentionMetadata(positions=cached[:, None], lengths=cached + 1,
+                                 q_lens=jnp.ones_like(cached), page_tables=page_tables)

@@ -1,0 +1,210 @@
+"""The paged KV cache: a pool of fixed-size pages per layer, read through per-sequence page tables.
+
+Layout per layer: `[P, G, K, Ds]` pages (P pages of G tokens, K kv heads, Ds stored head dim:
+D, or D/2 for int4), plus `[P, G, K, groups]` bfloat16 scales for the quantized formats. Which
+pages a sequence owns is the host's business (`infer.page_allocator`); on device a sequence is a
+row of `meta.page_tables`, and new tokens are written through the slot mapping
+`page * G + offset` that the metadata implies.
+
+Attention backends:
+  reference  gather the row's pages into head-major `[B, K, n*G, D]`, dequantize, and run the same
+             masked attention as the contiguous cache (plain XLA; the fast path on CPU)
+  pallas     the Pallas kernels of `kernels_pallas` (compiled on GPU/TPU, interpreted on CPU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infer.cache import attention
+from infer.cache.metadata import AttentionMetadata
+from kernels_pallas import kv_quant
+from kernels_pallas.paged_attention import paged_attention, paged_prefill_attention
+
+ATTENTION_BACKENDS = ("reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k: tuple[jax.Array, ...]  # L x [P, G, K, Ds]
+    v: tuple[jax.Array, ...]
+    k_scales: tuple[jax.Array, ...] | None  # L x [P, G, K, groups] for scaled formats
+    v_scales: tuple[jax.Array, ...] | None
+    kv_format: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    rotate: bool = dataclasses.field(default=False, metadata=dict(static=True))  # see create
+
+    @staticmethod
+    def create(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+               head_dim: int, kv_format: str = "float32", backend: str = "reference",
+               rotate: bool | None = None) -> "PagedKVCache":
+        """A zeroed pool. Zero pages matter: attention gives masked slots probability 0, and
+        0 * garbage must stay 0, so unused slots must never hold NaN or inf.
+
+        rotate (default: on for the quantized formats): store keys and values multiplied by an
+        orthonormal Hadamard matrix H, rotate queries by H, and rotate attention outputs back.
+        Scores q.k and the output are unchanged in exact arithmetic, but H spreads the few
+        outlier channels of each head over all channels, so a per-vector scale fits far more
+        of them. On SmolLM2 it raised int8's top-1 agreement with the float32 cache from 98.0%
+        to 99.6% and int4's from 79% to 87% (512 tokens, symmetric int4). A head dim that is not
+        a power of two gets a block-diagonal H (see `_hadamard`); rotate=True on an odd head dim
+        raises here. kv_format may be an alias ("fp8"); the cache holds the canonical name.
+        """
+        kv_format = kv_quant.resolve_kv_format(kv_format)
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need at least one page of at least one token, got num_pages="
+                             f"{num_pages}, page_size={page_size}")
+        shape = (num_pages, page_size, num_kv_heads, kv_quant.stored_head_dim(head_dim, kv_format))
+        dtype = kv_quant.storage_dtype(kv_format)
+        pages = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        groups = kv_quant.scale_groups(head_dim, kv_format)
+        scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), kv_quant.SCALE_DTYPE)
+                                for _ in range(num_layers))) if groups else (lambda: None)
+        if rotate is None:
+            rotate = groups > 0 and head_dim % 2 == 0
+        if rotate:
+            _hadamard(head_dim)  # an unsupported head dim fails now, not inside the first write
+        return PagedKVCache(k=pages(), v=pages(), k_scales=scales(), v_scales=scales(),
+                            kv_format=kv_format, backend=backend, rotate=rotate)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_bytes(self) -> int:
+        arrays = self.k + self.v + (self.k_scales or ()) + (self.v_scales or ())
+        return sum(a.nbytes for a in arrays)
+
+    def _slots(self, meta: AttentionMetadata) -> jax.Array:
+        """[B, T] flat slot (page * G + offset) of each new token; padding, and any token past
+        the row's table, points past the pool (dropped) rather than onto a page it does not own."""
+        g, width = self.page_size, meta.page_tables.shape[1]
+        slots, valid = meta.new_token_slots()
+        index = slots // g
+        inside = valid & (index >= 0) & (index < width)
+        page = jnp.take_along_axis(meta.page_tables, jnp.clip(index, 0, width - 1), axis=1)
+        return jnp.where(inside, page * g + slots % g, self.num_pages * g)
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
+              ) -> "PagedKVCache":
+        """Stores the new tokens' keys and values through the page tables. A slot past a row's
+        table raises when called eagerly; jitted callers, which alone know how many of the
+        table's pages a row really holds, check first (`check_writes`)."""
+        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
+        # One extra update aimed past the pool (and so dropped): with a single token to write,
+        # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
+        # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
+        slots = jnp.concatenate([self._slots(meta).reshape(-1),
+                                 jnp.asarray([self.num_pages * self.page_size], jnp.int32)])
+
+        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            rows = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
+            rows = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
+            flat = pool.reshape(-1, *pool.shape[2:])
+            return flat.at[slots].set(rows, mode="drop").reshape(pool.shape)
+
+        def update(pools: tuple[jax.Array, ...] | None, new: jax.Array | None):
+            if pools is None:
+                return None
+            return pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
+
+        if self.rotate:
+            k, v = hadamard_rotate(k), hadamard_rotate(v)
+        k_data, k_scale = kv_quant.quantize(k, self.kv_format)
+        v_data, v_scale = kv_quant.quantize(v, self.kv_format)
+        return dataclasses.replace(self, k=update(self.k, k_data), v=update(self.v, v_data),
+                                   k_scales=update(self.k_scales, k_scale),
+                                   v_scales=update(self.v_scales, v_scale))
+
+    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        if self.rotate:
+            return hadamard_rotate(self._attend(layer, hadamard_rotate(q), meta), inverse=True)
+        return self._attend(layer, q, meta)
+
+    def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        k_scales = None if self.k_scales is None else self.k_scales[layer]
+        v_scales = None if self.v_scales is None else self.v_scales[layer]
+        if self.backend == "pallas":
+            args = dict(k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
+            if q.shape[1] == 1 and meta.tree_mask is None:
+                out = paged_attention(q[:, 0], self.k[layer], self.v[layer], meta.lengths,
+                                      meta.page_tables, **args)
+                return out[:, None]
+            return paged_prefill_attention(q, self.k[layer], self.v[layer], meta.lengths,
+                                           meta.q_lens, meta.page_tables,
+                                           tree_mask=meta.tree_mask, **args)
+        k = self._gather(self.k[layer], k_scales, meta.page_tables, q.dtype)
+        v = self._gather(self.v[layer], v_scales, meta.page_tables, q.dtype)
+        return attention.masked_attention(q, k, v, attention.visibility_mask(meta, k.shape[2]))
+
+    def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
+                dtype: jnp.dtype) -> jax.Array:
+        """The row's pages as head-major [B, K, n * G, D], dequantized."""
+        b, n = page_tables.shape
+        # Transposing before dequantizing lets XLA fuse gather, transpose and dequantization
+        # into one pass over the pages.
+        data = pool[page_tables].transpose(0, 3, 1, 2, 4)
+        data = data.reshape(b, pool.shape[2], n * pool.shape[1], pool.shape[3])
+        if scales is not None:
+            scales = scales[page_tables].transpose(0, 3, 1, 2, 4)
+            scales = scales.reshape(b, pool.shape[2], n * pool.shape[1], scales.shape[-1])
+        return kv_quant.dequantize(data, scales, self.kv_format, dtype)
+
+
+@functools.cache
+def _hadamard(d: int) -> np.ndarray:
+    """The orthonormal [d, d] rotation: Sylvester's Hadamard matrix when d is a power of two.
+    Otherwise block-diagonal, one Hadamard block per run of b consecutive channels, b the largest
+    power of two dividing d (d = 96: three blocks of 32): an outlier channel spreads over its
+    block instead of the whole head, rather than no rotation at all for head dims like 80 or 96."""
+    if not isinstance(d, (int, np.integer)) or d < 2 or d % 2:
+        raise ValueError(f"Hadamard rotation needs an even head dim, got {d}")
+    b = d & -d
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    h = np.kron(np.eye(d // b), h / np.sqrt(b))
+    h.flags.writeable = False  # cached and shared
+    return h
+
+
+def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
+    """x [..., D] times the orthonormal Hadamard matrix (its transpose with inverse=True)."""
+    h = jnp.asarray(_hadamard(x.shape[-1]), jnp.float32)
+    return jnp.einsum("...d,ed->...e" if inverse else "...d,de->...e", x.astype(jnp.float32), h,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def copy_pages(cache: PagedKVCache, src: list[int], dst: list[int]) -> PagedKVCache:
+    """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write of shared pages).
+    The cache is donated. Lists are padded to a power of two with dropped copies, so a run
+    compiles a handful of shapes."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source pages for {len(dst)} destinations")
+    if not src:
+        return cache
+    n = 1 << (len(src) - 1).bit_length()
+    pad = n - len(src)
+    return _copy_pages(cache, jnp.asarray(list(src) + [0] * pad, jnp.int32),
+                       jnp.asarray(list(dst) + [cache.num_pages] * pad, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    move = lambda pools: None if pools is None else tuple(
+        p.at[dst].set(p[src], mode="drop") for p in pools)
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v),
+                               k_scales=move(cache.k_scales), v_scales=move(cache.v_scales))

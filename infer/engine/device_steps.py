@@ -1,0 +1,129 @@
+"""The jitted device steps: prefill (compute-bound) and decode (memory-bound), kept separate.
+
+`DeviceSteps(model)` binds the two to one model. The model's structure is closed over and its weights
+travel as a flat list of arrays: handing jit the nnx graph as a static argument made every call
+hash and re-flatten it, about 4 ms of host time a step. The KV cache is donated, so XLA updates
+it in place. Everything that changes between calls (tokens, lengths, page tables, sampling
+parameters) is an array; only shapes are static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from infer.cache.metadata import AttentionMetadata
+from infer.model.llama import CacheT, Llama
+from infer.sampling import SamplingArrays, sample
+from infer.spec.verify import verify_chain
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What one decode step needs from the previous one, kept on device between steps."""
+
+    tokens: jax.Array  # [B] int32, the last sampled token of each row (the next input)
+    lengths: jax.Array  # [B] int32, tokens in the cache
+    steps: jax.Array  # [B] int32, tokens sampled so far (for the per-row PRNG stream)
+    sampling: SamplingArrays
+    page_tables: jax.Array | None = None  # [B, n] int32 for a paged cache
+
+
+class DeviceSteps:
+    """`prefill_step` and `decode_step` of one model, jitted with the cache donated."""
+
+    def __init__(self, model: Llama) -> None:
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        self.config = model.config
+        self.params: list[jax.Array] = leaves
+
+        def bind(leaves: list[jax.Array]) -> Llama:
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+        def prefill(params, cache, tokens, meta, sampling, steps):
+            model = bind(params)
+            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+            logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
+            logits = logits[:, 0]
+            return sample(logits, sampling, steps), logits, hidden, cache
+
+        def decode(params, cache, state):
+            model = bind(params)
+            meta = AttentionMetadata.for_decode(state.lengths, state.page_tables)
+            logits, _, cache = model(state.tokens[:, None], cache, meta)
+            logits = logits[:, 0]
+            tokens = sample(logits, state.sampling, state.steps)
+            state = dataclasses.replace(state, tokens=tokens, lengths=state.lengths + 1,
+                                        steps=state.steps + 1)
+            return state, logits, cache
+
+        def forward(params, cache, tokens, meta):
+            return bind(params)(tokens, cache, meta)
+
+        def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
+                   steps):
+            logits, hidden, cache = bind(params)(tokens, cache, meta)
+            num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
+                                                 sampling, steps)
+            return num_accepted, emitted, hidden, cache
+
+        self._forward = jax.jit(forward, donate_argnums=1)
+        self._verify = jax.jit(verify, donate_argnums=1)
+        self._prefill = jax.jit(prefill, donate_argnums=1)
+        self._decode = jax.jit(decode, donate_argnums=1)
+
+    def forward_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata
+                     ) -> tuple[jax.Array, jax.Array, CacheT]:
+        """Logits [B, T, V] and hidden states [B, T, E] at every new position, and the cache:
+        for scoring text (perplexity, KL) and for verifying speculated tokens."""
+        return self._forward(self.params, cache, tokens, meta)
+
+    def verify_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                    draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
+                    sampling: SamplingArrays, steps: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+        """One target pass over [last token, drafts] [B, k+1] and exact verification.
+
+        Returns (num_accepted [B], emitted [B, k+1] (accepted drafts, then the target's own
+        token, then -1), hidden states [B, k+1, E], cache). The cache holds valid KV for the
+        first num_accepted + 1 inputs of each row; the rest lies past the row's length and is
+        overwritten later (rollback is not advancing the length). `draft_probs` [B, k, V] are
+        the draft's sampling probabilities, or None for deterministic proposals."""
+        return self._verify(self.params, cache, tokens, meta, draft_tokens, num_draft,
+                            draft_probs, sampling, steps)
+
+    def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                     sampling: SamplingArrays, steps: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+        """Runs rows of new tokens [B, T] (padded past meta.q_lens) through the model, writing
+        their KV, and samples one token after each row's last valid token.
+
+        Returns (next tokens [B], logits at each row's last valid token [B, V], final hidden
+        states at every position [B, T, E] (an EAGLE head's features), cache).
+        """
+        return self._prefill(self.params, cache, tokens, meta, sampling, steps)
+
+    def lower_prefill(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                      sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+        """prefill_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._prefill.lower(self.params, cache, tokens, meta, sampling, steps)
+
+    def lower_verify(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
+                     draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
+                     sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+        """verify_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._verify.lower(self.params, cache, tokens, meta, draft_tokens, num_draft,
+                                  draft_probs, sampling, steps)
+
+    def decode_step(self, cache: CacheT, state: DecodeState
+                    ) -> tuple[DecodeState, jax.Array, CacheT]:
+        """Feeds each row's last token, writes its KV, samples the next.
+        Returns (state, logits [B, V], cache)."""
+        return self._decode(self.params, cache, state)
+
+

@@ -1,0 +1,273 @@
+"""The serving engine: requests in, a scheduler deciding each step, a runner executing it.
+
+    plan = self.scheduler.schedule()
+    sampled = self.runner.execute(plan)
+    done = self.scheduler.postprocess(plan, sampled)
+
+Requests may be added, stepped and aborted at any time; a per-request callback streams each
+request's outputs as its tokens arrive.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable, Iterator, Sequence
+
+import jax.numpy as jnp
+
+from infer.cache.page_allocator import PageAllocator
+from infer.cache.prefix_cache import PrefixCache
+from infer.engine.metrics import StepRecord
+from infer.engine.request import Request, RequestLimits, RequestOutput, validate_request
+from infer.engine.runner import Runner, RunnerConfig
+from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.io.tokenizer import Tokenizer
+from infer.model.llama import Llama
+from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig, make_proposer
+from kernels_pallas.kv_quant import resolve_kv_format
+
+Callback = Callable[[RequestOutput], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_dtype: str = "auto"  # auto: the weights' dtype
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 256
+    max_model_len: int = 2048  # capped by the model's context
+    num_pages: int | None = None  # default: every slot can hold a max_model_len sequence
+    scheduler: str = "continuous"
+    static_max_wait_s: float = math.inf
+    attention_backend: str = "reference"
+    speculative: SpeculativeConfig | None = None
+    enable_prefix_caching: bool = False
+    min_window: int = 128  # smallest attention window in tokens (RunnerConfig.min_window)
+    # A long-running engine's memory stays bounded: it keeps the latest step records and the
+    # outputs of the latest finished requests only (consumers take them from step()).
+    max_step_records: int = 65_536
+    max_finished_outputs: int = 4_096
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_num_seqs", "max_prefill_tokens", "max_model_len",
+                     "max_step_records", "max_finished_outputs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_pages is not None and (isinstance(self.num_pages, bool)
+                                           or not isinstance(self.num_pages, int)
+                                           or self.num_pages < 1):
+            raise ValueError(f"num_pages must be an int >= 1 or None (one max_model_len "
+                             f"sequence per slot), got {self.num_pages!r}")
+
+
+class Engine:
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None, config: EngineConfig,
+                 runner: Runner | None = None) -> None:
+        """`runner` reuses another engine's compiled programs and cache pool (its shapes must
+        match this config; it must not serve two engines at once)."""
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
+        num_pages = config.num_pages
+        if num_pages is None:
+            num_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
+        kv_format = config.kv_cache_dtype
+        if kv_format == "auto":
+            kv_format = jnp.dtype(model.embed[...].dtype).name
+        kv_format = resolve_kv_format(kv_format)  # one name per format: "fp8" is e4m3
+        self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
+                                          kv_cache_dtype=kv_format)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+            max_model_len=max_model_len, policy=config.scheduler,
+            static_max_wait_s=config.static_max_wait_s,
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0),
+            self.allocator, prefix_cache=self.prefix_cache)
+        runner_config = RunnerConfig(
+            num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,
+            attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
+            max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len,
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
+            min_window=config.min_window)
+        if runner is not None and runner.config != runner_config:
+            raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
+        proposer = None
+        if config.speculative and runner is None:
+            proposer = make_proposer(config.speculative, model, runner_config)
+        self.runner = runner or Runner(model, runner_config, proposer)
+        self.limits = RequestLimits(vocab_size=model.config.vocab_size,
+                                    max_model_len=max_model_len,
+                                    pool_tokens=num_pages * config.page_size)
+        self.records: collections.deque[StepRecord] = collections.deque(
+            maxlen=config.max_step_records)
+        self.num_steps = 0
+        self._finished: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
+        self._callbacks: dict[str, Callback] = {}
+        self._next_id = 0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def make_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                     prompt_token_ids: Sequence[int] | None = None,
+                     request_id: str | None = None,
+                     arrival_s: float | None = None) -> Request:
+        """A validated request, not yet queued (tokenized here, once). Raises ValueError,
+        changing nothing, if it is bad. A request without a seed gets a fresh one."""
+        params = SamplingParams() if params is None else params
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"prompt is empty or not a string: {prompt!r}")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = validate_request(prompt_token_ids, params, self.limits)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
+        return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
+                       prompt=prompt, arrival_s=arrival_s)
+
+    def submit(self, request: Request, callback: Callback | None = None) -> str:
+        """Queues a request from `make_request`."""
+        self.scheduler.add(request)
+        self._finished.pop(request.request_id, None)  # an id may be reused once finished
+        if callback is not None:
+            self._callbacks[request.request_id] = callback
+        return request.request_id
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
+                    arrival_s: float | None = None, callback: Callback | None = None) -> str:
+        """Validates and queues a request; raises ValueError (changing nothing) if it is bad."""
+        request = self.make_request(prompt, params, prompt_token_ids=prompt_token_ids,
+                                    request_id=request_id, arrival_s=arrival_s)
+        return self.submit(request, callback)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request and frees its pages; returns its final output (None if unknown or
+        already finished)."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        out = seq.request.output()
+        self._notify(out)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The output so far of a queued or running request, or the final one of a request
+        among the latest `max_finished_outputs` finished."""
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is not None:
+            return seq.request.output()
+        if request_id in self._finished:
+            return self._finished[request_id]
+        raise KeyError(f"request {request_id!r} is unknown, or finished longer ago than the "
+                       f"latest {self.config.max_finished_outputs} (take outputs from step(), "
+                       f"stream() or a callback)")
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one device step; returns the outputs of the requests that
+        got a token (finished ones included)."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if self.runner.proposer is not None:
+            # A recomputed request's pages will hold other data than its draft state saw.
+            for seq in plan.preempted:
+                self.runner.proposer.forget(seq.request.request_id)
+        running = len(self.scheduler.running)  # requests holding a slot during this step
+        sampled = self.runner.execute(plan)
+        advanced = self.scheduler.postprocess(plan, sampled)
+        end = time.perf_counter()
+        self.records.append(StepRecord(
+            index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
+            active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),
+            prefill_tokens=sum(len(c.token_ids) for c in plan.prefill),
+            waiting=len(self.scheduler.waiting), free_pages=self.allocator.num_free(),
+            slot_utilization=running / self.config.max_num_seqs))
+        self.num_steps += 1
+        outputs = [seq.request.output() for seq in advanced]
+        for out in outputs:
+            self._notify(out)
+        return outputs
+
+    def step_records(self, since: int = 0) -> list[StepRecord]:
+        """The step records with index >= `since` (`num_steps` before a run: its steps).
+        Raises if the window no longer holds all of them, rather than summarize part of a run."""
+        oldest = self.records[0].index if self.records else self.num_steps
+        if since < oldest:
+            raise ValueError(f"step records from {since} on were asked for, but only the latest "
+                             f"{self.config.max_step_records} are kept (from {oldest}); raise "
+                             f"EngineConfig.max_step_records")
+        return [r for r in self.records if r.index >= since]
+
+    def _notify(self, out: RequestOutput) -> None:
+        """Hands an output to its callback; a finished request's engine state is released."""
+        callback = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._release(out)
+        if callback is None:
+            return
+        try:
+            callback(out)
+        except Exception:  # a consumer's bug must not take the engine, or other requests, down
+            logging.exception("stream callback of request %s raised; aborting that request",
+                              out.request_id)
+            self._callbacks.pop(out.request_id, None)
+            seq = self.scheduler.abort(out.request_id)
+            if seq is not None:
+                self._release(seq.request.output())
+
+    def _release(self, final: RequestOutput) -> None:
+        self._callbacks.pop(final.request_id, None)
+        if self.runner.proposer is not None:
+            self.runner.proposer.forget(final.request_id)
+        self._finished[final.request_id] = final
+        self._finished.move_to_end(final.request_id)
+        while len(self._finished) > self.config.max_finished_outputs:
+            self._finished.popitem(last=False)
+
+    def run_until_done(self) -> None:
+        self.scheduler.draining = True
+        while self.has_unfinished():
+            self.step()
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Steps until every queued request has finished, yielding outputs as tokens arrive."""
+        self.scheduler.draining = True
+        while self.has_unfinished():
+            yield from self.step()
+
+    def speculative_stats(self) -> dict[str, float]:
+        """Verify steps, drafts proposed and accepted, acceptance rate and tokens emitted per
+        verifying row since the engine (or its runner) was made; {} without speculation."""
+        if self.runner.proposer is None:
+            return {}
+        return self.runner.spec_stats.summary()
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Hit rates by requests and tokens, prefill tokens saved, evictions ({} when off)."""
+        if self.prefix_cache is None:
+            return {}
+        stats = dict(self.prefix_cache.stats())
+        stats["prefill_tokens_saved"] = stats["hit_tokens"]
+        return stats
+
+    def warmup(self, progress: bool = False) -> int:
+        """Compiles every shape a run can use; returns the number of programs."""
+        return self.runner.warmup(progress)

@@ -1,0 +1,60 @@
+"""Serving metrics over a run: latency percentiles, throughput, slot utilization."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from infer.engine.request import RequestMetrics
+
+
+def percentiles(values: Sequence[float], prefix: str) -> dict[str, float]:
+    """mean, p50, p90, p99 of values under `prefix_mean`, ...; NaN when there are none."""
+    v = np.asarray([x for x in values if x is not None], np.float64)
+    if v.size == 0:
+        return {f"{prefix}_{k}": float("nan") for k in ("mean", "p50", "p90", "p99")}
+    return {f"{prefix}_mean": float(v.mean()), f"{prefix}_p50": float(np.percentile(v, 50)),
+            f"{prefix}_p90": float(np.percentile(v, 90)), f"{prefix}_p99": float(np.percentile(v, 99))}
+
+
+def summarize(metrics: Sequence[RequestMetrics], wall_s: float,
+              records: Sequence[StepRecord] = ()) -> dict[str, float]:
+    """TTFT, TPOT, inter-token and end-to-end latency (mean/p50/p90/p99, seconds), output
+    tokens/s and requests/s over `wall_s`, and the slot utilization averaged over busy time."""
+    out_tokens = sum(m.num_output_tokens for m in metrics)
+    row: dict[str, float] = {
+        "requests": len(metrics), "output_tokens": out_tokens, "wall_s": wall_s,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else float("nan"),
+        "requests_s": len(metrics) / wall_s if wall_s > 0 else float("nan"),
+        "preemptions": sum(m.num_preemptions for m in metrics),
+    }
+    row |= percentiles([m.ttft_s for m in metrics], "ttft_s")
+    row |= percentiles([m.tpot_s for m in metrics], "tpot_s")
+    row |= percentiles([x for m in metrics for x in m.itl_s], "itl_s")
+    row |= percentiles([m.e2e_s for m in metrics], "e2e_s")
+    if records:
+        busy = [r for r in records if r.kind != "idle"]
+        durations = np.asarray([r.end_s - r.start_s for r in busy])
+        util = np.asarray([r.slot_utilization for r in busy])
+        row["slot_utilization_mean"] = float((util * durations).sum() / durations.sum()) if busy else 0.0
+        row["steps"] = len(busy)
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for slot-utilization and throughput plots."""
+
+    index: int
+    kind: str
+    start_s: float
+    end_s: float
+    running: int  # requests holding a slot (admitted and unfinished)
+    active: int  # requests that got work this step (decode rows or the prefill chunk)
+    decode_rows: int
+    prefill_tokens: int
+    waiting: int
+    free_pages: int
+    slot_utilization: float  # running / max_num_seqs: a static batch's finished rows idle

@@ -1,0 +1,202 @@
+"""One request's host-side state: prompt, sampling parameters, output so far, stop conditions,
+timestamps. Plain Python, shared by the simple loop and the serving engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+import numpy as np
+
+from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
+from infer.sampling_params import SamplingParams, is_integer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit. None: not checked at this level (the scheduler knows the
+    context and the page pool, not the vocabulary)."""
+
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+    pool_tokens: int | None = None  # token slots of the whole page pool
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
+                     limits: RequestLimits) -> list[int]:
+    """The one check of a request, used by the LLM, the engine, the scheduler and the simple
+    loop. Raises ValueError naming the problem; returns the prompt's ids as Python ints."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt_token_ids, (str, bytes)):
+        raise ValueError("prompt_token_ids must be a sequence of ints, got a string")
+    ids = []
+    for t in prompt_token_ids:
+        if not is_integer(t):
+            raise ValueError(f"prompt token ids must be ints, got {t!r}")
+        ids.append(int(t))
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    if limits.vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {limits.vocab_size}): "
+                             f"{bad[:5]}")
+    need = len(ids) + params.max_tokens
+    if limits.max_model_len is not None and need > limits.max_model_len:
+        raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceed "
+                         f"max_model_len={limits.max_model_len} ({need} positions)")
+    if limits.pool_tokens is not None and need > limits.pool_tokens:
+        raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} need "
+                         f"{need} KV slots, more than the whole page pool holds "
+                         f"({limits.pool_tokens})")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Latencies of one request in seconds; inter-token latencies are the gaps between tokens
+    as the host saw them."""
+
+    arrival_s: float
+    ttft_s: float | None  # arrival -> first output token
+    tpot_s: float | None  # mean time per output token after the first
+    e2e_s: float | None  # arrival -> finish
+    itl_s: tuple[float, ...]  # inter-token latencies
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    metrics: RequestMetrics
+    seed: int | None = None  # the seed it drew with: a fresh one when none was asked for
+
+
+class Request:
+    """Appending tokens checks the stop conditions: EOS (unless ignore_eos), stop token ids,
+    stop strings (the text is cut before the stop string) and max_tokens.
+
+    Until it finishes, a request's visible text holds back any tail that could still grow into
+    a stop string, so streamed text never shows part of one."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer | None, eos_ids: tuple[int, ...] = (),
+                 prompt: str | None = None, arrival_s: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+        self.token_times: list[float] = []
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True) if tokenizer else None
+        self._text = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
+
+    @property
+    def text(self) -> str:
+        return self._visible_text()
+
+    def append(self, token: int, now: float | None = None) -> bool:
+        """Records one generated token; returns True when the request is finished."""
+        if self.finished:
+            raise RuntimeError(f"request {self.request_id} already finished ({self.finish_reason})")
+        self.output_ids.append(int(token))
+        self.token_times.append(time.perf_counter() if now is None else now)
+        searched = len(self._text)
+        if self._detok is not None:
+            self._text += self._detok.step(self.output_ids)
+        if int(token) in self._stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif self.params.stop and self._cut_at_stop_string(searched):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finished and self._detok is not None and self.finish_reason != FinishReason.STOP:
+            searched = len(self._text)
+            self._text += self._detok.step(self.output_ids, final=True)
+            if self.params.stop and self._cut_at_stop_string(searched):
+                self.finish_reason = FinishReason.STOP
+        return self.finished
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finish_reason = FinishReason.ABORT
+
+    def _cut_at_stop_string(self, searched: int) -> bool:
+        """Cuts the text before the first stop string; `searched`: text length already known
+        to hold none, so only what could end in the new characters is searched again."""
+        longest = max(map(len, self.params.stop))
+        start = max(0, searched - longest + 1)
+        hits = [i for i in (self._text.find(s, start) for s in self.params.stop) if i >= 0]
+        if not hits:
+            return False
+        self._text = self._text[:min(hits)]
+        return True
+
+    def _visible_text(self) -> str:
+        """The text without its longest tail that is a proper prefix of a stop string."""
+        text = self._text
+        if self.finished or not self.params.stop:
+            return text
+        for n in range(min(max(map(len, self.params.stop)) - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.params.stop):
+                return text[:-n]
+        return text
+
+    def metrics(self) -> RequestMetrics:
+        times = self.token_times
+        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
+        return RequestMetrics(
+            arrival_s=self.arrival_s,
+            ttft_s=times[0] - self.arrival_s if times else None,
+            tpot_s=float(np.mean(itl)) if itl else None,
+            e2e_s=times[-1] - self.arrival_s if times and self.finished else None,
+            itl_s=itl,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_token_ids),
+                             text=self._visible_text(), token_ids=list(self.output_ids),
+                             finished=self.finished, finish_reason=self.finish_reason,
+                             metrics=self.metrics(), seed=self.params.seed)

@@ -1,0 +1,330 @@
+"""The device side of the engine: turns a `StepPlan` into fixed-shape arrays, runs the jitted
+step on the paged cache, and returns the sampled tokens.
+
+Shapes are bucketed so that a serving run compiles a fixed set of programs, all during
+`warmup()`: decode rows pad to a power of two up to `max_num_seqs`, prefill chunks to a power of
+two up to `max_prefill_tokens`, and page tables to a power-of-two number of tokens (at least
+`min_window`) up to `max_model_len`. `Runner.shapes` lists every program those buckets make
+(`Shape`: prefill, decode or verify, with or without draft probabilities). Padding rows have no
+valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
+positions are arrays, never static.
+
+Every write is checked on the host before the step (`paged_metadata`): a row may write only
+into pages it holds, and a violation raises instead of corrupting another row's page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import numpy as np
+
+from infer.cache.metadata import AttentionMetadata, check_writes
+from infer.cache.paged import PagedKVCache, copy_pages
+from infer.engine.buckets import bucket_for
+from infer.engine.device_steps import DeviceSteps
+from infer.engine.plan import PrefillChunk, SeqState, StepPlan
+from infer.model.llama import Llama
+from infer.sampling import SamplingArrays
+from infer.sampling_params import is_integer
+from infer.spec.stats import SpeculationStats
+
+if TYPE_CHECKING:
+    from infer.spec.proposer import Proposer
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... up to and including hi (hi itself added if not a power)."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    num_pages: int
+    page_size: int = 16
+    kv_format: str = "float32"
+    attention_backend: str = "reference"
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 256
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 0
+    # Smallest attention window in tokens: shorter sequences still attend over this many slots,
+    # and each power of two above it up to max_model_len is one more set of programs.
+    min_window: int = 128
+
+    def __post_init__(self) -> None:
+        w = self.min_window
+        if not is_integer(w) or w < 1:
+            raise ValueError(f"min_window must be a positive number of tokens, got {w!r}")
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        return powers_of_two(1, self.max_num_seqs)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return powers_of_two(min(16, self.max_prefill_tokens), self.max_prefill_tokens)
+
+    @property
+    def window_buckets(self) -> tuple[int, ...]:
+        """Page-table widths in pages."""
+        g = self.page_size
+        tokens = powers_of_two(min(self.min_window, self.max_model_len), self.max_model_len)
+        return tuple(dict.fromkeys(-(-t // g) for t in tokens))
+
+    def window_for(self, tokens: int) -> int:
+        """The page-table width bucket (in pages) that holds `tokens` tokens."""
+        return bucket_for(-(-tokens // self.page_size), self.window_buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One compiled program of a serving run: which step, and the shapes that reach jit."""
+
+    kind: str  # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1)
+    rows: int
+    tokens: int  # per row
+    width: int  # page-table width in pages
+    draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
+
+
+def page_tables(seqs: Sequence[SeqState], rows: int, width: int,
+                row_of: Sequence[int] | None = None) -> np.ndarray:
+    """[rows, width] page ids, sequence i in row `row_of[i]` (default i), zero-padded (padding
+    rows write nothing). Pages past `width` are left out: `paged_metadata` checks that no write
+    needs them."""
+    tables = np.zeros((rows, width), np.int32)
+    for i, s in zip(range(len(seqs)) if row_of is None else row_of, seqs):
+        held = s.pages.pages[:width]
+        tables[i, :len(held)] = held
+    return tables
+
+
+def paged_metadata(seqs: Sequence[SeqState], rows: int, width: int, cached: np.ndarray,
+                   q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
+                   write_ends: np.ndarray | None = None) -> AttentionMetadata:
+    """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
+    `q_lens` [rows] of them valid, sequence i in row `row_of[i]` (default i), page tables
+    `width` pages wide.
+
+    First checks on the host that each row writes only slots of pages it holds and its table
+    shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which
+    writes past its metadata. Under jit a write past the table would be dropped and one past
+    the held pages would land in page 0 (the table's padding), another sequence's."""
+    row_of = range(len(seqs)) if row_of is None else row_of
+    capacity = np.zeros(rows, np.int64)
+    names = [""] * rows
+    for i, s in zip(row_of, seqs):
+        capacity[i] = min(len(s.pages.pages), width) * s.pages.page_size
+        names[i] = f"request {s.request.request_id!r}"
+    check_writes(cached, cached + q_lens if write_ends is None else write_ends, capacity, names)
+    positions = cached[:, None] + np.arange(tokens, dtype=np.int32)[None, :]
+    # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
+    return AttentionMetadata(
+        positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
+        q_lens=jax.device_put(q_lens),
+        page_tables=jax.device_put(page_tables(seqs, rows, width, row_of)))
+
+
+class Runner:
+    def __init__(self, model: Llama, config: RunnerConfig,
+                 proposer: "Proposer | None" = None) -> None:
+        if (proposer is None) != (config.num_speculative_tokens == 0):
+            raise ValueError("speculative decoding needs both a proposer and "
+                             "num_speculative_tokens > 0")
+        self.config = config
+        self.proposer = proposer
+        self.spec_stats = SpeculationStats()
+        self.steps = DeviceSteps(model)
+        c = model.config
+        self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
+                                         c.num_kv_heads, c.head_dim, config.kv_format,
+                                         config.attention_backend)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[list[int]]:
+        """Runs the plan; returns the tokens of each prefill chunk, then of each decode row
+        (one, or with speculative decoding the accepted drafts and the target's token)."""
+        if plan.page_copies:
+            src, dst = zip(*plan.page_copies)
+            self.cache = copy_pages(self.cache, list(src), list(dst))
+        if plan.kind == "prefill":
+            return [[t] for t in self._prefill(plan.prefill)]
+        if plan.kind == "decode":
+            if self.proposer is not None and any(plan.draft_limits):
+                return self._speculate(plan.decode, plan.draft_limits, plan.decode_width)
+            return self._decode(plan.decode, plan.decode_width)
+        return []
+
+    def _inputs(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
+                q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple:
+        """Device arrays for one step, built on the host and moved by `jax.device_put`: eager
+        jnp here (arithmetic, even `jnp.asarray`) would compile small programs of its own for
+        every new shape, after warm-up."""
+        b, t = tokens.shape
+        meta = paged_metadata(seqs, b, width, cached, q_lens, t)
+        return (jax.device_put(tokens), meta,
+                SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
+                jax.device_put(steps))
+
+    def _run(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
+             q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple[list[int], jax.Array]:
+        """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
+        sampled, _, hidden, self.cache = self.steps.prefill_step(
+            self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, steps))
+        return np.asarray(sampled).tolist(), hidden
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
+        rows = len(chunks)
+        t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
+        width = self.config.window_for(max(c.start + len(c.token_ids) for c in chunks))
+        tokens = np.zeros((rows, t), np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c.token_ids)] = c.token_ids
+        cached = np.array([c.start for c in chunks], np.int32)
+        q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
+        steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
+        sampled, hidden = self._run([c.seq for c in chunks], tokens, cached, q_lens, width, steps)
+        if self.proposer is not None:
+            self.proposer.observe_prefill(chunks, hidden)
+        return sampled[:rows]
+
+    def _decode(self, seqs: list[SeqState], width: int = 0) -> list[list[int]]:
+        """`width`: rows to compute at least (a static batch computes its finished rows too)."""
+        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
+        # Pages reserved for drafts that were then not proposed count too: the table holds them.
+        width = self.config.window_for(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
+        tokens = np.zeros((rows, 1), np.int32)
+        cached = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        steps = np.zeros(rows, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
+            cached[i], q_lens[i] = s.num_computed, 1
+            steps[i] = len(s.request.output_ids)
+        sampled, hidden = self._run(seqs, tokens, cached, q_lens, width, steps)
+        out = [[t] for t in sampled[:len(seqs)]]
+        if self.proposer is not None:
+            self.proposer.commit(seqs, out, hidden)
+        return out
+
+    def _speculate(self, seqs: list[SeqState], limits: list[int], width: int) -> list[list[int]]:
+        """Proposals, then one target pass over [last token, drafts] per row and exact
+        verification on device; each row advances by its own accepted length."""
+        k = self.config.num_speculative_tokens
+        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
+        drafts, counts, draft_probs = self.proposer.propose(seqs, limits, rows, k)
+        if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
+            return self._decode(seqs, width)
+        tokens = np.zeros((rows, k + 1), np.int32)
+        tokens[:, 1:] = drafts
+        cached = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        steps = np.zeros(rows, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.request.last_token_id
+            cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
+            steps[i] = len(s.request.output_ids)
+        width = self.config.window_for(
+            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        tok, meta, sampling, steps = self._inputs(seqs, tokens, cached, q_lens, width, steps)
+        accepted, emitted, hidden, self.cache = self.steps.verify_step(
+            self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
+            sampling, steps)
+        accepted, emitted = np.asarray(accepted), np.asarray(emitted)
+        out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
+        self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
+        self.proposer.commit(seqs, out, hidden)
+        return out
+
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def shapes(self) -> list[Shape]:
+        """Every step program a serving run can execute, listed from the buckets, not guessed
+        back from (rows, tokens): a one-row verify of k+1 tokens is its own program even when
+        k+1 is also a prefill chunk's bucket."""
+        k = self.config.num_speculative_tokens
+        probs = [False]
+        if k and self.proposer.samples_drafts:
+            probs.append(True)  # sampled drafts come with their probabilities: one more program
+        out = []
+        for width in self.config.window_buckets:
+            for rows in self.config.decode_buckets:
+                out.append(Shape("decode", rows, 1, width))
+                out += [Shape("verify", rows, k + 1, width, p) for p in probs if k]
+            # A one-token chunk runs the one-row decode program (same step, same shapes).
+            out += [Shape("prefill", 1, t, width) for t in self.config.prefill_buckets if t > 1]
+        return out
+
+    def page_copy_sizes(self) -> tuple[int, ...]:
+        """The padded lengths `copy_pages` can be called with: powers of two up to the most
+        pages one step writes (a copy-on-write copies only pages the step writes into)."""
+        c = self.config
+        spanned = lambda tokens: -(-(tokens - 1) // c.page_size) + 1  # pages `tokens` can touch
+        most = max(spanned(c.max_prefill_tokens),
+                   c.max_num_seqs * spanned(c.num_speculative_tokens + 1))
+        return powers_of_two(1, 1 << (min(most, c.num_pages) - 1).bit_length())
+
+    def _dummy(self, shape: Shape) -> tuple:
+        """Step arguments of one shape with no valid token: nothing is written, samples are
+        ignored. Verify steps get (drafts, counts, draft_probs) after the metadata."""
+        rows, t = shape.rows, shape.tokens
+        zeros = np.zeros(rows, np.int32)
+        tok, meta, sampling, steps = self._inputs([], np.zeros((rows, t), np.int32), zeros,
+                                                  zeros, shape.width, zeros)
+        if shape.kind != "verify":
+            return tok, meta, sampling, steps
+        k = t - 1
+        probs = (jax.device_put(np.zeros((rows, k, self.steps.config.vocab_size), np.float32))
+                 if shape.draft_probs else None)
+        return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
+                probs, sampling, steps)
+
+    def _run_shape(self, shape: Shape) -> None:
+        args = self._dummy(shape)
+        step = self.steps.verify_step if shape.kind == "verify" else self.steps.prefill_step
+        *_, self.cache = step(self.cache, *args)
+
+    def warmup(self, progress: bool = False, threads: int = 2) -> int:
+        """Compiles every program a serving run can execute (`shapes`, the page copies, and the
+        proposer's own); returns their number.
+
+        With JAX's persistent compilation cache on (`infer.platform.enable_compilation_cache`),
+        the step programs are first compiled ahead of time on `threads` threads into that cache;
+        each is then run once, which loads it. Without it, each is compiled as it is run.
+        """
+        shapes = self.shapes()
+        if jax.config.jax_compilation_cache_dir and threads > 1:
+            import concurrent.futures
+
+            def compile_one(shape: Shape) -> None:
+                lower = self.steps.lower_verify if shape.kind == "verify" else \
+                    self.steps.lower_prefill
+                lower(self.cache, *self._dummy(shape)).compile()
+
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(compile_one, shapes))
+        todo = shapes
+        if progress:
+            from tqdm import tqdm
+            todo = tqdm(shapes, desc="compiling buckets", leave=False)
+        for shape in todo:
+            self._run_shape(shape)
+        copies = self.page_copy_sizes()
+        for n in copies:  # copies onto page num_pages are dropped: the pool is unchanged
+            self.cache = copy_pages(self.cache, [0] * n, [self.config.num_pages] * n)
+        return len(shapes) + len(copies) + (self.proposer.warmup() if self.proposer else 0)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.num_bytes
+
+

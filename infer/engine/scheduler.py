@@ -1,0 +1,338 @@
+"""Which requests run at each engine step, and where their tokens go. Host side: plain Python,
+no JAX, testable with a mock runner.
+
+A request moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted). Its KV lives
+in pages from the `PageAllocator`; `num_computed` counts the tokens whose KV is in them.
+
+- Prefill: a running request whose tokens are not all computed gets a chunk of at most
+  `max_prefill_tokens` of them. When a chunk reaches the last token, the step samples the next
+  one. A preempted request comes back through prefill over prompt + output ("recompute"); it
+  then samples exactly the token it would have sampled next, since each request's PRNG stream
+  depends only on its seed and its token index.
+- Decode: every request whose tokens are all computed but the last sampled one feeds that one.
+
+Steps alternate: a prefill step (one chunk: see `Scheduler.schedule`) or a decode step over all
+decode-ready requests; when both kinds of work are pending they take turns, so a long prompt
+never stalls running requests for more than one step. Why alternating rather than mixed steps
+(one forward over a prefill chunk and the decode rows): on this CPU prefill is compute-bound, so
+fusing a 128-token chunk with a 16-row decode saved about 10% of the pair's time (the weight
+read of the decode step), while every (decode batch, chunk) pair of buckets would be its own
+compiled program: the product of the two bucket sets instead of their sum.
+
+Policies:
+- continuous: re-decides the batch every step; a finished request frees its slot and pages at
+  once and a waiting one takes them (iteration-level scheduling, Orca / vLLM).
+- static: admits a batch only when none is running -- when `max_num_seqs` requests wait, or
+  the oldest has waited `static_max_wait_s`, or the caller says no more will come (`drain`) --
+  and admits nothing more until every request of the batch has finished. Its decode steps keep
+  the batch's full width, finished rows included, as a padded batch does (HF `generate`).
+
+Admission is FCFS and by free pages: a waiting request is admitted when a slot is free and its
+first chunk's pages can be had.
+
+With a prefix cache, an admitted request first takes the cached pages of the longest page-aligned
+prefix of its tokens (all but the last, which must be computed for its logits, so no write ever
+lands in a shared page) and starts computing after them; it looks again before each prefill
+chunk, so requests admitted together share what the first of them computes. Its full pages are
+inserted into the cache as they are computed. Cached pages nobody uses are evicted, LRU, when the
+pool runs short.
+
+When pages run out during decode, the most recently admitted running request is preempted: its
+pages are freed and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Iterable, Sequence
+
+from infer.cache.page_allocator import OutOfPages, PageAllocator
+from infer.cache.prefix_cache import PrefixCache
+from infer.engine.plan import PrefillChunk, SeqState, Status, StepPlan
+from infer.engine.request import FinishReason, Request, RequestLimits, validate_request
+
+POLICIES = ("continuous", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 256  # tokens of one prefill chunk
+    max_model_len: int = 2048
+    policy: str = "continuous"
+    static_max_wait_s: float = float("inf")
+    num_speculative_tokens: int = 0  # drafts a decode row may verify per step
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
+                 clock: Callable[[], float] = time.perf_counter,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            allocator.set_reclaimer(prefix_cache.evict)
+        self.clock = clock
+        self._limits = RequestLimits(max_model_len=config.max_model_len,
+                                     pool_tokens=allocator.num_pages * allocator.page_size)
+        self.waiting: collections.deque[SeqState] = collections.deque()
+        self.running: list[SeqState] = []
+        self.seqs: dict[str, SeqState] = {}
+        self.draining = False  # static policy: no more requests will come
+        self._batch_width = 0  # static policy: size of the running batch when admitted
+        self._admissions = 0
+        self._last_kind = "idle"
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> SeqState:
+        if request.request_id in self.seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        try:
+            validate_request(request.prompt_token_ids, request.params, self._limits)
+        except ValueError as e:
+            raise ValueError(f"request {request.request_id!r}: {e}") from None
+        seq = SeqState(request=request, pages=self.allocator.new_sequence())
+        self.seqs[request.request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> SeqState | None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status == Status.FINISHED:
+            return None
+        seq.request.abort()
+        self._finish(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans one step; pages for its tokens are reserved (copy-on-write copies listed).
+
+        Admission runs once, first; a request preempted here is not re-admitted before the next
+        step, so the pages it gives up go to the requests admitted before it."""
+        self._admit()
+        preempted: list[SeqState] = []
+        while True:
+            want_prefill = any(s.in_prefill for s in self.running)
+            want_decode = any(s.decode_ready for s in self.running)
+            plan = None
+            if want_prefill and (not want_decode or self._last_kind != "prefill"):
+                plan = self._plan_prefill()
+                if not plan.prefill:
+                    plan = None
+            if plan is None and want_decode:
+                plan = self._plan_decode()
+            if plan is not None:
+                self._last_kind = plan.kind
+                plan.preempted[:0] = preempted
+                return plan
+            if not want_prefill:
+                self._last_kind = "idle"
+                return StepPlan(kind="idle", preempted=preempted)
+            # Every running request is mid-prompt and the pages are gone: give the latest
+            # admitted one's pages to the others, or nothing would ever move again. Each pass
+            # removes one running request, so the loop ends.
+            victim = max(self.running, key=lambda s: s.admitted_at)
+            self._preempt(victim)
+            preempted.append(victim)
+
+    def _admit(self) -> None:
+        if self.config.policy == "static":
+            if self.running or not self.waiting:
+                return
+            oldest_wait = self.clock() - self.waiting[0].request.arrival_s
+            if not (len(self.waiting) >= self.config.max_num_seqs or self.draining
+                    or oldest_wait >= self.config.static_max_wait_s):
+                return
+        self._batch_width = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self._cached_prefix(seq)
+            first_chunk = min(seq.num_tokens, len(cached) * self.allocator.page_size
+                              + self.config.max_prefill_tokens)
+            needed = -(-first_chunk // self.allocator.page_size) - len(cached)
+            # The matched pages stop being evictable once this request holds them.
+            if needed > self._pages_available(pinned=cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._take_cached(seq, cached)
+            seq.status = Status.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            self._batch_width += 1
+
+    def _cached_prefix(self, seq: SeqState) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(seq.request.all_token_ids[:-1])
+
+    def _take_cached(self, seq: SeqState, cached: list[int]) -> None:
+        """Adopts cached pages beyond those the sequence holds: its computation resumes after
+        them. Requests admitted together find nothing at admission; before each of their chunks
+        they look again, and take what the earlier ones have computed meanwhile."""
+        held = len(seq.pages.pages)
+        if len(cached) > held:
+            # Take the references before anything allocates: the reclaimer could otherwise
+            # evict pages just matched.
+            self.allocator.incref(cached[held:])
+            seq.pages.pages.extend(cached[held:])
+            seq.num_computed = seq.pages.num_tokens = len(cached) * self.allocator.page_size
+        seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed)
+
+    def _pages_available(self, pinned: Sequence[int] = ()) -> int:
+        """Free pages plus cached pages an allocation could evict, `pinned` ones excluded."""
+        if self.prefix_cache is None:
+            return self.allocator.num_free()
+        return self.allocator.num_free() + self.prefix_cache.num_evictable(pinned)
+
+    def _cache_pages(self, seq: SeqState) -> None:
+        """Offers the sequence's computed full pages to the prefix cache."""
+        if self.prefix_cache is not None and seq.num_computed >= self.allocator.page_size:
+            tokens = seq.request.all_token_ids[:seq.num_computed]
+            full_pages = seq.pages.pages[:seq.num_computed // self.allocator.page_size]
+            self.prefix_cache.insert(tokens, full_pages)
+
+    def _plan_prefill(self) -> StepPlan:
+        """One chunk of the earliest-admitted request still in prefill (one row per prefill
+        step: on a compute-bound CPU, rows of one chunk each cost the same per token, and one
+        row keeps the compiled shapes few)."""
+        plan = StepPlan(kind="prefill")
+        for seq in sorted((s for s in self.running if s.in_prefill), key=lambda s: s.admitted_at):
+            if seq.num_computed == seq.pages.capacity:  # page-aligned, nothing reserved ahead
+                self._take_cached(seq, self._cached_prefix(seq))
+                if not seq.in_prefill:
+                    continue  # the cache held the whole prompt: it decodes next step
+            end = min(seq.num_tokens, seq.num_computed + self.config.max_prefill_tokens)
+            try:
+                self.allocator.reserve(seq.pages, end)
+                plan.page_copies += self.allocator.prepare_write(seq.pages, seq.num_computed, end)
+            except OutOfPages:
+                continue  # decode steps will finish or preempt someone; try the next request
+            ids = seq.request.all_token_ids[seq.num_computed:end]
+            plan.prefill.append(PrefillChunk(seq=seq, start=seq.num_computed, token_ids=tuple(ids)))
+            break
+        return plan
+
+    def _plan_decode(self) -> StepPlan:
+        static = self.config.policy == "static"
+        plan = StepPlan(kind="decode", decode_width=self._batch_width if static else 0)
+        # Earliest admitted first: when pages run out, the latest admitted is preempted.
+        for seq in sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at):
+            if seq.status != Status.RUNNING:
+                continue  # preempted below while making room for an earlier request
+            drafts = self._draft_limit(seq)
+            while True:
+                try:
+                    end = seq.num_computed + 1 + drafts
+                    self.allocator.reserve(seq.pages, end)
+                    plan.page_copies += self.allocator.prepare_write(
+                        seq.pages, seq.num_computed, end)
+                    plan.decode.append(seq)
+                    plan.draft_limits.append(drafts)
+                    break
+                except OutOfPages:
+                    if drafts:
+                        # Drafts are optional work: a plain decode row costs nobody a preemption.
+                        drafts = 0
+                        continue
+                    victim = max((s for s in self.running if s is not seq
+                                  and s not in plan.decode), key=lambda s: s.admitted_at,
+                                 default=None)
+                    if victim is None or victim.admitted_at < seq.admitted_at:
+                        victim = seq
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is seq:
+                        break
+        return plan
+
+    def _draft_limit(self, seq: SeqState) -> int:
+        """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens) or
+        past max_model_len."""
+        left = seq.request.params.max_tokens - len(seq.request.output_ids) - 1
+        room = self.config.max_model_len - seq.num_computed - 1
+        return max(0, min(self.config.num_speculative_tokens, left, room))
+
+    def _preempt(self, seq: SeqState) -> None:
+        self._cache_pages(seq)  # its recompute may then find them
+        self.allocator.release(seq.pages)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.request.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    # -- after the device step -----------------------------------------------------------------
+
+    def postprocess(self, plan: StepPlan, emitted: Iterable[Sequence[int]],
+                    now: float | None = None) -> list[SeqState]:
+        """Advances the planned sequences. `emitted` holds, in plan order, the tokens each
+        prefill chunk and then each decode row produced: one token, or with speculative
+        decoding the accepted drafts plus the target's own token. Returns the sequences that
+        got tokens."""
+        now = self.clock() if now is None else now
+        emitted = list(emitted)
+        got_token = []
+        for chunk, tokens in zip(plan.prefill, emitted):
+            seq = chunk.seq
+            seq.num_computed = chunk.start + len(chunk.token_ids)
+            seq.pages.num_tokens = seq.num_computed
+            self._cache_pages(seq)
+            if chunk.completes and seq.status == Status.RUNNING:
+                self._append(seq, tokens, now)
+                got_token.append(seq)
+        for seq, tokens in zip(plan.decode, emitted[len(plan.prefill):]):
+            # The step wrote KV for the fed token and every accepted draft: one per emitted
+            # token, the last emitted one (the target's own) not yet in the cache.
+            filled_before = seq.num_computed // self.allocator.page_size
+            seq.num_computed += len(tokens)
+            if seq.status != Status.RUNNING:
+                continue
+            seq.pages.num_tokens = seq.num_computed
+            self.allocator.truncate(seq.pages, seq.num_computed)  # pages of rejected drafts
+            if seq.num_computed // self.allocator.page_size > filled_before:
+                self._cache_pages(seq)  # a page just filled
+            self._append(seq, tokens, now)
+            got_token.append(seq)
+        return got_token
+
+    def _append(self, seq: SeqState, tokens: Sequence[int], now: float) -> None:
+        for token in tokens:
+            if seq.request.append(token, now):
+                self._finish(seq)
+                return
+
+    def _finish(self, seq: SeqState) -> None:
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+            self._cache_pages(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.release(seq.pages)
+        seq.status = Status.FINISHED
+        # A long-running engine keeps no record of finished requests: their outputs went to
+        # the caller with the step that finished them.
+        self.seqs.pop(seq.request.request_id, None)
+        if seq.request.finish_reason is None:
+            seq.request.finish_reason = FinishReason.ABORT
+
+    def slot_utilization(self) -> float:
+        """Slots whose request still produces tokens, over max_num_seqs. Under the static policy
+        a finished request keeps its slot until the batch ends: that slot counts as idle."""
+        return len(self.running) / self.config.max_num_seqs

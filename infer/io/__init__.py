@@ -1,0 +1,1 @@
+"""Reading models in: checkpoints (GGUF, HF safetensors), weights, tokenizer, named tensors."""

@@ -1,0 +1,63 @@
+"""`load(name_or_path)`: a preset with bundled weights, a GGUF file or a HF directory."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from infer.io.checkpoint import read_checkpoint, smollm2_gguf_path
+from infer.io.hf_weights import model_from_hf_tensors
+from infer.io.tokenizer import Tokenizer
+from infer.model.config import PRESETS, LlamaConfig
+from infer.model.llama import Llama
+
+# Presets whose weights ship with an installed package; the rest are shapes only.
+BUNDLED = {"smollm2-135m": smollm2_gguf_path}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    """The weight dtype for a name in DTYPES or a dtype object of one; ValueError otherwise."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported weight dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    # Objects too: jnp.int8 or np.float64 would otherwise load, and fail (or silently run in
+    # a dtype the model was never checked in) much later.
+    if resolved is None or resolved.name not in DTYPES:
+        raise ValueError(f"unsupported weight dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return resolved
+
+
+def resolve_path(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(checkpoint path, model name) for a bundled preset or an existing path."""
+    name = os.fspath(name_or_path)
+    if name in BUNDLED:
+        return BUNDLED[name](), name
+    if os.path.exists(name):
+        return name, os.path.basename(os.path.normpath(name))
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} has no bundled weights (only {sorted(BUNDLED)} do); "
+                         "pass the path of a GGUF file or a HF directory holding its weights")
+    if os.sep in name or name.endswith((".gguf", ".safetensors")):
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    raise ValueError(f"unknown model {name!r}: neither a bundled preset {sorted(BUNDLED)} nor an "
+                     "existing GGUF file or HF directory")
+
+
+def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
+         ) -> tuple[LlamaConfig, Llama, Tokenizer]:
+    """Loads (config, model, tokenizer). The model is the Flax module holding the weights;
+    `nnx.split(model)` gives the (graphdef, params) pair the jitted steps take."""
+    weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
+    path, name = resolve_path(name_or_path)
+    checkpoint = read_checkpoint(path)
+    config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
+    model = model_from_hf_tensors(config, checkpoint.tensors, weight_dtype)
+    return config, model, Tokenizer.from_checkpoint(checkpoint)

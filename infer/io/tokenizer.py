@@ -1,0 +1,325 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus what generation needs (BOS/EOS ids, chat template).
+
+Built either from a GGUF file's metadata (byte-level BPE, the only kind llama.cpp calls "gpt2")
+or from a HF directory's tokenizer.json. Chat templates render with a sandboxed jinja2, as HF does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from infer.io.checkpoint import (
+    Checkpoint,
+    GGUFTokenizerData,
+    HFTokenizerDir,
+    TokenizerSource,
+    read_gguf_tokenizer,
+)
+
+# Llama-3's split pattern (llama.cpp pre-tokenizer "llama-bpe"): digits in groups of up to three.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# Chat models end a turn with these rather than (or as well as) their EOS token.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _pre_tokenizer(pre: str | None, where: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in (None, "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "llama-bpe":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ValueError(f"{where}: pre-tokenizer {pre!r} is not supported "
+                     "(supported: 'smollm', 'gpt2', 'llama-bpe')")
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    # jinja's own tojson HTML-escapes <, >, & and '; templates expect plain JSON, as in HF.
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _validate_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {m.get(key)!r:.80}")
+    return [dict(m) for m in messages]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special tokens and chat template."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_id: int | None,
+                 eos_ids: Sequence[int], add_bos: bool, chat_template: str | None,
+                 unk_id: int | None = None, pad_id: int | None = None) -> None:
+        self._tok = tokenizer
+        self._bos_id = bos_id
+        self._eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))  # ordered, no duplicates
+        self._add_bos = add_bos
+        self._chat_template = chat_template
+        self._unk_id, self._pad_id = unk_id, pad_id
+        self._special_ids = frozenset(
+            i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, source: Checkpoint | GGUFTokenizerData | str | os.PathLike[str]) -> "Tokenizer":
+        """From a GGUF checkpoint, its tokenizer metadata, or the path of a GGUF file."""
+        if isinstance(source, Checkpoint):
+            source = source.tokenizer_source
+        if isinstance(source, (str, os.PathLike)):
+            source = read_gguf_tokenizer(source)
+        if not isinstance(source, GGUFTokenizerData):
+            raise TypeError(f"expected a GGUF checkpoint or its tokenizer data, got {type(source)}")
+        meta = source
+        if meta.model != "gpt2":
+            raise ValueError(f"{meta.path}: tokenizer model {meta.model!r} is not supported "
+                             "(only byte-level BPE, 'gpt2')")
+        if len(meta.token_types) != len(meta.tokens):
+            raise ValueError(f"{meta.path}: {len(meta.tokens)} tokens but "
+                             f"{len(meta.token_types)} token types")
+        vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+        if any(len(m) != 2 for m in merges):
+            raise ValueError(f"{meta.path}: malformed BPE merge (expected 'left right')")
+        tok = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=meta.pre == "llama-bpe"))
+        tok.pre_tokenizer = _pre_tokenizer(meta.pre, meta.path)
+        tok.decoder = decoders.ByteLevel()
+        # Control tokens are matched whole in text (so "<|im_start|>" is one id) and are what
+        # skip_special_tokens drops; user-defined ones are matched whole but kept.
+        tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(meta.tokens, meta.token_types) if k == _GGUF_CONTROL])
+        tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(meta.tokens, meta.token_types) if k == _GGUF_USER_DEFINED])
+        eos = [i for i in (meta.eos_id, *meta.extra_eos_ids) if i is not None]
+        eos += [vocab[t] for t in _END_OF_TURN_TOKENS
+                if t in vocab and meta.token_types[vocab[t]] == _GGUF_CONTROL]
+        return cls(tok, bos_id=meta.bos_id, eos_ids=eos, add_bos=meta.add_bos,
+                   chat_template=meta.chat_template, unk_id=meta.unk_id, pad_id=meta.pad_id)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """From tokenizer.json, with tokenizer_config.json / generation_config.json if present."""
+        path = os.fspath(path)
+        tok_path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise FileNotFoundError(f"{path}: directory has no tokenizer.json")
+        try:
+            tok = tokenizers.Tokenizer.from_file(tok_path)
+        except Exception as e:  # the Rust side raises a bare Exception on bad files
+            raise ValueError(f"{tok_path}: could not be loaded: {e}") from e
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+
+        def token_id(key: str) -> int | None:
+            content = _token_content(cfg.get(key))
+            return None if content is None else tok.token_to_id(content)
+
+        bos_id = token_id("bos_token")
+        eos = [i for i in (token_id("eos_token"),) if i is not None]
+        gen_eos = gen.get("eos_token_id")
+        eos += gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+        added = tok.get_added_tokens_decoder()
+        eos += [i for i, t in added.items() if t.special and t.content in _END_OF_TURN_TOKENS]
+
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:
+            # No explicit flag: Llama-3 style tokenizers add BOS in their post-processor.
+            first = tok.encode("", add_special_tokens=True).ids
+            add_bos = bool(first) and first[0] == bos_id
+        return cls(tok, bos_id=bos_id, eos_ids=eos, add_bos=bool(add_bos),
+                   chat_template=_hf_chat_template(path, cfg),
+                   unk_id=token_id("unk_token"), pad_id=token_id("pad_token"))
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint) -> "Tokenizer":
+        source: TokenizerSource = checkpoint.tokenizer_source
+        if isinstance(source, HFTokenizerDir):
+            return cls.from_hf_dir(source.path)
+        return cls.from_gguf(source)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the EOS token and the end-of-turn tokens."""
+        return self._eos_ids
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether `encode` prepends BOS by default."""
+        return self._add_bos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # -- encode / decode -------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their ids."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._add_bos if add_bos is None else add_bos:
+            if self._bos_id is None:
+                raise ValueError("add_bos=True but this tokenizer has no BOS token")
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        n = self.vocab_size
+        bad = next((i for i in ids if not 0 <= i < n), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {n})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # -- chat ------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Renders a conversation with the model's template (a prompt string, not ids)."""
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        messages = _validate_messages(messages)
+
+        def text(token_id: int | None) -> str:
+            return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+        return _compile_template(self._chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=text(self._bos_id), eos_token=text(self._eos_ids[0] if self._eos_ids else None),
+            unk_token=text(self._unk_id), pad_token=text(self._pad_id))
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    return value if isinstance(value, dict) else {}
+
+
+def _hf_chat_template(path: str, cfg: Mapping[str, Any]) -> str | None:
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None:
+        # transformers 5 writes the template to its own file.
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+    return template if isinstance(template, str) else None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated ids into text pieces for streaming.
+
+    Each `step` re-decodes only a short window: the ids since the last emitted piece plus the
+    piece before it as context (so decoders that treat the first token specially, like
+    SentencePiece's leading space, behave as in a full decode). Text that ends in an incomplete
+    UTF-8 character decodes to U+FFFD; it is held back until the character completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._prefix = 0  # start of the context window
+        self._read = 0    # ids before this index are already emitted as text
+        self._seen = 0
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._text)
+
+    def step(self, ids: Sequence[int], final: bool = False) -> str:
+        """New text completed by the latest ids (the whole running list is passed each time).
+
+        With final=True everything left is emitted, incomplete characters included, so the
+        concatenated pieces equal `decode(ids)`.
+        """
+        if len(ids) < self._seen:
+            raise ValueError(f"ids shrank from {self._seen} to {len(ids)}; pass the running list")
+        self._seen = len(ids)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip)
+        before = decode(ids[self._prefix:self._read])
+        full = decode(ids[self._prefix:])
+        if len(full) <= len(before) or (full.endswith("\ufffd") and not final):
+            return ""
+        piece = full[len(before):]
+        self._prefix, self._read = self._read, len(ids)
+        self._text.append(piece)
+        return piece

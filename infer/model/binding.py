@@ -1,0 +1,38 @@
+"""The one way infer hands a Flax module to jit: split the nnx graph once, pass the weights as a
+flat list of arrays, merge them back inside the trace.
+
+Handing jit the nnx module (or its graph as a static argument) made every call hash and
+re-flatten it, about 4 ms of host time a step. With the structure closed over and the leaves as
+arguments, a call costs what a call with plain arrays costs. The leaves are read once, when the
+binding is made: later edits of the module are not seen by the programs built on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Generic, TypeVar
+
+import jax
+from flax import nnx
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding(Generic[M]):
+    """A module's weights (`params`, pass them to the jitted function) and `bind(params)`, which
+    rebuilds the module from them inside the trace."""
+
+    params: list[jax.Array]
+    graphdef: nnx.GraphDef
+    treedef: jax.tree_util.PyTreeDef
+
+    def bind(self, params: list[jax.Array]) -> M:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+
+def binding(module: M) -> Binding[M]:
+    """The module's binding: its weight arrays (not copied) and how to rebuild it from them."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return Binding(params=leaves, graphdef=graphdef, treedef=treedef)

@@ -1,0 +1,189 @@
+"""Llama in Flax NNX: RMSNorm, RoPE (with Llama-3.1 scaling), grouped-query attention, SwiGLU.
+
+The model holds weights only. The KV cache is passed in and returned; where new keys and values
+go and which slots each query reads is the cache's business (see `infer.kv_cache`).
+
+Activations and the residual stream stay in float32; weights may be bfloat16, in which case each
+matmul multiplies bfloat16 inputs with float32 accumulation (`preferred_element_type`), which
+XLA:CPU runs several times faster than a bfloat16-accumulating product.
+
+Layers are a Python list of modules, unrolled under jit: XLA:CPU copies each layer's slice out of
+stacked `[L, ...]` weights inside a `scan`, which halved decode bandwidth when measured.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer.cache.metadata import AttentionMetadata
+from infer.model.config import LlamaConfig
+from infer.model.sharding import BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB, shard
+
+CacheT = TypeVar("CacheT", bound="KVCacheLike")
+
+
+class KVCacheLike(Protocol):
+    def write(self: CacheT, layer: int, k: jax.Array, v: jax.Array,
+              meta: AttentionMetadata) -> CacheT: ...
+
+    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array: ...
+
+
+def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, rngs: nnx.Rngs | None,
+           fan_in: int | None = None) -> nnx.Param:
+    """Random normal weights (std 1/sqrt(fan_in)) or ones when fan_in is None (norm scales).
+    Without rngs the array is zeros, for models whose weights a loader will overwrite."""
+    if fan_in is None:
+        value = jnp.ones(shape, dtype)
+    elif rngs is None:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
+    """einsum of activations with a weight, accumulating in float32 whatever the weight dtype."""
+    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = param((dim,), (EMBED,), dtype, None)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * self.weight[...].astype(jnp.float32)
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] as float32, Llama-3.1 scaled when the config says so."""
+    d = config.head_dim
+    inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32)
+                                               / np.float32(d)))).astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Wavelengths longer than the original context are stretched by `factor`, short ones kept,
+    # and the band between them interpolated smoothly.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    interpolated = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, interpolated, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, T, N, D] at positions [B, T], computed in float32."""
+    freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Projections are stored 2D ([E, H*D], [H*D, E]): with a separate head axis XLA:CPU chose to
+    transpose and copy the output projection's weight every step rather than the activation."""
+
+    def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        e, h, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, d
+        self.q_proj = param((e, h * d), (EMBED, HEADS), dtype, rngs, e)
+        self.k_proj = param((e, k * d), (EMBED, KV_HEADS), dtype, rngs, e)
+        self.v_proj = param((e, k * d), (EMBED, KV_HEADS), dtype, rngs, e)
+        self.o_proj = param((h * d, e), (HEADS, EMBED), dtype, rngs, h * d)
+
+    def __call__(self, x: jax.Array, layer: int, cache: CacheT, meta: AttentionMetadata,
+                 inv_freq: jax.Array) -> tuple[jax.Array, CacheT]:
+        b, t, _ = x.shape
+        heads = lambda y, n: y.reshape(b, t, n, self.head_dim)
+        q = heads(dense(x, self.q_proj[...], "bte,ef->btf"), self.num_heads)
+        k = heads(dense(x, self.k_proj[...], "bte,ef->btf"), self.num_kv_heads)
+        v = heads(dense(x, self.v_proj[...], "bte,ef->btf"), self.num_kv_heads)
+        q = shard(apply_rope(q, meta.positions, inv_freq), (BATCH, SEQ, HEADS, HEAD_DIM))
+        k = apply_rope(k, meta.positions, inv_freq)
+        cache = cache.write(layer, k, v, meta)
+        out = cache.attend(layer, q, meta).reshape(b, t, self.num_heads * self.head_dim)
+        return dense(out, self.o_proj[...], "btf,fe->bte"), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        e, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = param((e, f), (EMBED, FFN), dtype, rngs, e)
+        self.up_proj = param((e, f), (EMBED, FFN), dtype, rngs, e)
+        self.down_proj = param((f, e), (FFN, EMBED), dtype, rngs, f)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = dense(x, self.gate_proj[...], "bte,ef->btf")
+        up = dense(x, self.up_proj[...], "bte,ef->btf")
+        hidden = shard(jax.nn.silu(gate) * up, (BATCH, SEQ, FFN))
+        return dense(hidden, self.down_proj[...], "btf,fe->bte")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, dtype, rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x: jax.Array, layer: int, cache: CacheT, meta: AttentionMetadata,
+                 inv_freq: jax.Array) -> tuple[jax.Array, CacheT]:
+        attn_out, cache = self.attn(self.input_norm(x), layer, cache, meta, inv_freq)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attn_norm(x))
+        return shard(x, (BATCH, SEQ, EMBED)), cache
+
+
+class Llama(nnx.Module):
+    """forward(tokens [B, T], cache, meta) -> (logits, hidden [B, T, E], cache).
+
+    `logit_index` [B, N] picks the positions whose logits are computed (prefill needs only the
+    last one; the vocabulary projection of every prompt token would dominate a short prefill).
+    """
+
+    def __init__(self, config: LlamaConfig, dtype: jnp.dtype = jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        self.config = config
+        e, v = config.hidden_size, config.vocab_size
+        self.embed = param((v, e), (VOCAB, EMBED), dtype, rngs, 1)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(e, config.rms_norm_eps, dtype)
+        # Stored [V, E] like the embedding: XLA:CPU multiplies small batches against it faster
+        # than against [E, V].
+        self.lm_head = None if config.tie_word_embeddings else param((v, e), (VOCAB, EMBED), dtype,
+                                                                      rngs, e)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.embed[...][tokens].astype(jnp.float32)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states [..., E] (after the final norm) -> logits [..., V] in float32."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return dense(hidden, head[...], "...e,ve->...v")
+
+    def __call__(self, tokens: jax.Array, cache: CacheT, meta: AttentionMetadata,
+                 logit_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array, CacheT]:
+        x = shard(self.embed_tokens(tokens), (BATCH, SEQ, EMBED))
+        inv_freq = jnp.asarray(rope_frequencies(self.config))  # a compile-time constant
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, i, cache, meta, inv_freq)
+        hidden = self.norm(x)
+        picked = hidden if logit_index is None else jnp.take_along_axis(
+            hidden, logit_index[:, :, None], axis=1)
+        return self.logits(picked), hidden, cache

@@ -1,0 +1,406 @@
+"""Model proposers for speculative decoding in the engine: a draft model (a distilled small
+Llama, or the target's own first layers) and an EAGLE head over the target's features.
+
+Both keep their KV in a paged cache of their own that uses the target's page tables: a
+request's draft KV lives in the same page ids, at the same positions, as its target KV, so the
+scheduler's allocator (admission, preemption, prefix sharing, freeing) covers both and nothing
+here allocates. A proposer only remembers, per request, up to which position its cache is right
+(`valid`), and catches up lazily before proposing:
+
+  draft model   position t holds the draft's KV of token x_t. After a verify step that accepted
+                a of k drafts, its KV is right up to the last accepted draft it was fed; the
+                catch-up feeds the one or two tokens after that (width 2).
+  EAGLE head    slot t holds the head's KV of row (h_t, x_{t+1}): the target's feature at t and
+                the token after it. Rows need the target's features, which the runner hands over
+                after every prefill chunk and verify step; the catch-up feeds the a + 1 rows whose
+                features the last verify produced (width k + 1).
+
+A request's first catch-up covers its whole prompt, in chunks of at most `max_prefill_tokens`
+on one row. Then one jitted call per step catches every row up and drafts k tokens, feeding
+each draft back (rows stop writing past their own limit, so no write leaves their pages).
+Drafts are greedy for greedy requests and sampled from the request's own warped distribution
+(temperature, top-k, top-p) otherwise; their probabilities go to the verifier, which keeps the
+output distribution exactly the target's whatever the drafts are.
+
+With prefix caching, a request adopts the draft KV in the pages it shares (written by the
+request that computed them); only acceptance, never the output, depends on it being right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer.cache.metadata import AttentionMetadata
+from infer.cache.page_allocator import SequencePages
+from infer.cache.paged import PagedKVCache
+from infer.engine.buckets import bucket_for
+from infer.engine.plan import PrefillChunk, SeqState
+from infer.engine.runner import paged_metadata
+from infer.model.llama import Llama
+from infer.sampling import SamplingArrays, row_keys, warp_logits
+from infer.spec.eagle_head import EagleHead
+
+if TYPE_CHECKING:
+    from infer.engine.runner import RunnerConfig
+
+DRAFT_SALT = 0xD4AF7  # draft keys differ from the target's sampling and verification keys
+
+
+def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, sampled: bool
+         ) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens [B] from logits [B, V]: argmax for greedy rows, a draw from the row's warped
+    distribution otherwise; with `sampled`, also that distribution [B, V] (the verifier's q)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy, None
+    warped = warp_logits(logits, sampling)
+    drawn = jax.vmap(jax.random.categorical)(keys, warped).astype(jnp.int32)
+    return jnp.where(sampling.temperature > 0, drawn, greedy), jax.nn.softmax(warped, axis=-1)
+
+
+def _step_meta(positions: jax.Array, write: jax.Array, tables: jax.Array) -> AttentionMetadata:
+    """One token per row at `positions` [B], written only where `write` [B] bool."""
+    q = write.astype(jnp.int32)
+    return AttentionMetadata(positions=positions[:, None], lengths=positions + q, q_lens=q,
+                             page_tables=tables)
+
+
+@dataclasses.dataclass
+class _Track:
+    """What a proposer knows of one request: its pages object (a new one after preemption means
+    a fresh start) and the first position its cache does not hold right."""
+
+    pages: SequencePages
+    valid: int
+    drafts_fed: int = 0  # drafts the last chain fed back (draft model: their KV is written)
+    feature_start: int = 0  # EAGLE: target features held for positions [start, start + len)
+    features: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    @property
+    def feature_end(self) -> int:
+        return self.feature_start + sum(len(f) for f in self.features)
+
+    def features_from(self, start: int, end: int) -> np.ndarray:
+        held = np.concatenate(self.features) if len(self.features) > 1 else self.features[0]
+        self.features = [held]
+        return held[start - self.feature_start:end - self.feature_start]
+
+    def drop_features_before(self, position: int) -> None:
+        if self.features and position > self.feature_start:
+            held = np.concatenate(self.features)[position - self.feature_start:]
+            self.features, self.feature_start = [held], position
+
+
+class _ModelProposer:
+    """Bookkeeping, shapes and warm-up shared by the draft-model and EAGLE proposers; a subclass
+    says how a row catches up (`_pending`) and supplies the two jitted programs."""
+
+    catch_up_width: int
+    samples_drafts = True
+
+    def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.cache = PagedKVCache.create(num_layers, config.num_pages, config.page_size,
+                                         num_kv_heads, head_dim, "float32",
+                                         config.attention_backend)
+        self._tracks: dict[str, _Track] = {}
+        self.proposed = 0
+
+    # -- the proposer protocol ------------------------------------------------------------------
+
+    def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray, jax.Array | None]:
+        if k != self.k:
+            raise ValueError(f"proposer built for k={self.k}, asked for {k}")
+        active = [i for i, limit in enumerate(limits) if limit > 0]
+        for i in active:
+            self._catch_up_long(seqs[i])
+        width = self.config.window_for(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
+        limits_arr = np.zeros(rows, np.int32)
+        limits_arr[:len(limits)] = limits
+        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width, limits_arr)
+        params = [s.request.params for s in seqs]
+        sampling = SamplingArrays.from_params(params, batch=rows)
+        sampled = any(not p.greedy for p in params)
+        steps = np.zeros(rows, np.int32)
+        steps[:len(seqs)] = [len(s.request.output_ids) for s in seqs]
+        drafts, probs, self.cache = self._chain(self.cache, *inputs, jnp.asarray(limits_arr),
+                                                sampling, jnp.asarray(steps), k, sampled)
+        for i in active:
+            self._tracks[seqs[i].request.request_id].drafts_fed = limits[i] - 1
+        counts = limits_arr.copy()
+        self.proposed += int(counts.sum())
+        return np.asarray(drafts), counts, probs
+
+    def commit(self, seqs: Sequence[SeqState], emitted: Sequence[Sequence[int]],
+               hidden: jax.Array) -> None:
+        """After a decode or verify step: `emitted[i]` are row i's accepted drafts then the
+        target's token; `hidden` [rows, T, E] the target's features at the fed positions."""
+        for seq, out in zip(seqs, emitted):
+            track = self._tracks.get(seq.request.request_id)
+            if track is not None and track.pages is seq.pages:
+                # The chain fed drafts at positions n+1 .. n+drafts_fed; accepted ones are right.
+                n = seq.num_computed  # not yet advanced: the fed token's position
+                if track.valid == n + 1:
+                    track.valid = n + 1 + min(len(out) - 1, track.drafts_fed)
+                track.drafts_fed = 0
+
+    def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        self._tracks.pop(request_id, None)
+
+    # -- catching up ----------------------------------------------------------------------------
+
+    def _track(self, seq: SeqState) -> _Track:
+        track = self._tracks.get(seq.request.request_id)
+        if track is None or track.pages is not seq.pages:
+            track = _Track(seq.pages, seq.request.num_cached_tokens)
+            self._tracks[seq.request.request_id] = track
+        track.valid = min(track.valid, seq.num_computed)
+        return track
+
+    def _catch_up_long(self, seq: SeqState) -> None:
+        """Feeds all but the last `catch_up_width` pending rows, a chunk at a time on one row."""
+        track = self._track(seq)
+        last = self._last_pending(seq) - self.catch_up_width
+        while track.valid < last:
+            end = min(last, track.valid + self.config.max_prefill_tokens)
+            t = bucket_for(end - track.valid, self.config.prefill_buckets)
+            width = self.config.window_for(max(end, seq.pages.capacity))
+            meta = paged_metadata([seq], 1, width, np.array([track.valid], np.int32),
+                                  np.array([end - track.valid], np.int32), t)
+            self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
+                                       meta)
+            track.valid = end
+
+    def _chain_inputs(self, seqs: Sequence[SeqState], rows_of: Sequence[int], rows: int,
+                      width: int, limits: np.ndarray) -> tuple:
+        """The chain's inputs: each row's catch-up rows, then its metadata, checked for the
+        chain's writes too (it feeds back drafts 1 .. limit-1 at the slots after the catch-up)."""
+        w = self.catch_up_width
+        cached = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        row_inputs = [np.zeros((rows, w, *shape), dtype) for shape, dtype in self._row_spec()]
+        for seq, i in zip(seqs, rows_of):
+            track = self._tracks[seq.request.request_id]
+            end = self._last_pending(seq)
+            cached[i], q_lens[i] = track.valid, end - track.valid
+            for buffer, values in zip(row_inputs, self._rows(seq, track, track.valid, end, w)):
+                buffer[i] = values[0]
+            track.valid = end
+        write_ends = cached + q_lens + np.maximum(limits - 1, 0)
+        meta = paged_metadata(seqs, rows, width, cached, q_lens, w, rows_of, write_ends)
+        return (*[jax.device_put(b) for b in row_inputs], meta)
+
+    # -- warm-up --------------------------------------------------------------------------------
+
+    def warmup(self) -> int:
+        """Runs every shape a serving run can use, with nothing written, through the input
+        builders a run uses (a host-to-device copy of a new shape is a program too); returns
+        the count."""
+        count = 0
+        for width in self.config.window_buckets:
+            zero = np.zeros(1, np.int32)
+            for t in self.config.prefill_buckets:
+                rows = [np.zeros((1, t, *shape), dtype) for shape, dtype in self._row_spec()]
+                self.cache = self._forward(self.cache, *rows,
+                                           paged_metadata([], 1, width, zero, zero, t))
+                count += 1
+            for rows in self.config.decode_buckets:
+                zeros = np.zeros(rows, np.int32)
+                inputs = self._chain_inputs([], [], rows, width, zeros)
+                sampling = SamplingArrays.from_params([], batch=rows)
+                for sampled in (False, True):
+                    *_, self.cache = self._chain(self.cache, *inputs, jnp.asarray(zeros),
+                                                 sampling, jnp.asarray(zeros), self.k, sampled)
+                    count += 1
+        return count
+
+    # -- what a subclass provides ---------------------------------------------------------------
+
+    def _last_pending(self, seq: SeqState) -> int:
+        """One past the last position (draft model) or row (EAGLE) to feed before drafting."""
+        raise NotImplementedError
+
+    def _row_spec(self) -> list[tuple[tuple[int, ...], type]]:
+        """Per-position input arrays: (trailing shape, dtype) of each."""
+        raise NotImplementedError
+
+    def _rows(self, seq: SeqState, track: _Track, start: int, end: int, pad_to: int
+              ) -> list[np.ndarray]:
+        """The inputs of positions [start, end) as [1, pad_to, ...] arrays."""
+        raise NotImplementedError
+
+    _forward: Callable
+    _chain: Callable
+
+
+def _bind(module: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.Module], list[jax.Array]]:
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), leaves
+
+
+class DraftModelProposer(_ModelProposer):
+    """A small Llama sharing the target's tokenizer drafts k tokens autoregressively."""
+
+    catch_up_width = 2
+
+    def __init__(self, draft: Llama, config: "RunnerConfig") -> None:
+        c = draft.config
+        super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim)
+        bind, self.params = _bind(draft)
+
+        def forward(params, cache, tokens, meta):
+            _, _, cache = bind(params)(tokens, cache, meta, logit_index=jnp.zeros(
+                (tokens.shape[0], 1), jnp.int32))
+            return cache
+
+        def chain(params, cache, tokens, meta, limits, sampling, steps, k, sampled):
+            model = bind(params)
+            keys = row_keys(sampling.seeds ^ DRAFT_SALT, steps)
+            logits, _, cache = model(tokens, cache, meta,
+                                     logit_index=jnp.maximum(meta.q_lens - 1, 0)[:, None])
+            drafts, probs = [], []
+            next_position = meta.lengths  # x_n sits at lengths - 1
+            for j in range(k):
+                token, p = draw(logits[:, 0], sampling, jax.vmap(jax.random.fold_in, (0, None))(
+                    keys, j), sampled)
+                drafts.append(token)
+                probs.append(p)
+                if j + 1 < k:  # feed draft j+1 (1-based) only if the row wants draft j+2
+                    step_meta = _step_meta(next_position + j, j + 1 < limits, meta.page_tables)
+                    logits, _, cache = model(token[:, None], cache, step_meta)
+            drafts = jnp.stack(drafts, axis=1)
+            return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
+
+        self._forward_jit = jax.jit(forward, donate_argnums=1)
+        self._chain_jit = jax.jit(chain, donate_argnums=1, static_argnums=(7, 8))
+
+    def _forward(self, cache, tokens, meta):
+        return self._forward_jit(self.params, cache, tokens, meta)
+
+    def _chain(self, cache, tokens, meta, limits, sampling, steps, k, sampled):
+        return self._chain_jit(self.params, cache, tokens, meta, limits, sampling, steps, k,
+                               sampled)
+
+    def _last_pending(self, seq: SeqState) -> int:
+        return seq.num_computed + 1  # through x_n, the token the target is about to verify from
+
+    def _row_spec(self):
+        return [((), np.int32)]
+
+    def _rows(self, seq, track, start, end, pad_to):
+        tokens = np.zeros((1, pad_to), np.int32)
+        tokens[0, :end - start] = seq.request.all_token_ids[start:end]
+        return [tokens]
+
+
+class _EagleDraft(nnx.Module):
+    """The head with the target whose embedding and LM head it shares (arrays not copied)."""
+
+    def __init__(self, head: EagleHead, target: Llama) -> None:
+        self.head = head
+        self.target = target
+
+
+class EagleProposer(_ModelProposer):
+    """EAGLE: the head turns the target's feature h_t and token x_{t+1} into ĥ_{t+1}, whose
+    logits through the target's head give a draft; its own predictions then stand in for the
+    features of the drafts."""
+
+    def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig") -> None:
+        c = head.config
+        super().__init__(config, 1, c.num_kv_heads, c.head_dim)
+        self.catch_up_width = config.num_speculative_tokens + 1
+        self.hidden_size = c.hidden_size
+        bind, self.params = _bind(_EagleDraft(head, target))
+
+        def forward(params, cache, features, next_tokens, meta):
+            m = bind(params)
+            _, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
+            return cache
+
+        def chain(params, cache, features, next_tokens, meta, limits, sampling, steps, k,
+                  sampled):
+            m = bind(params)
+            keys = row_keys(sampling.seeds ^ DRAFT_SALT, steps)
+            predicted, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
+            last = jnp.maximum(meta.q_lens - 1, 0)
+            feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
+            slot = meta.lengths  # the next row's slot: rows t sit at slot t
+            drafts, probs = [], []
+            for j in range(k):
+                token, p = draw(m.target.logits(feature), sampling,
+                                jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampled)
+                drafts.append(token)
+                probs.append(p)
+                if j + 1 < k:
+                    step_meta = _step_meta(slot + j, j + 1 < limits, meta.page_tables)
+                    predicted, cache = m.head(feature[:, None], token[:, None], m.target.embed,
+                                              cache, step_meta)
+                    feature = predicted[:, 0]
+            drafts = jnp.stack(drafts, axis=1)
+            return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
+
+        self._forward_jit = jax.jit(forward, donate_argnums=1)
+        self._chain_jit = jax.jit(chain, donate_argnums=1, static_argnums=(8, 9))
+
+    def _forward(self, cache, features, next_tokens, meta):
+        return self._forward_jit(self.params, cache, features, next_tokens, meta)
+
+    def _chain(self, cache, features, next_tokens, meta, limits, sampling, steps, k, sampled):
+        return self._chain_jit(self.params, cache, features, next_tokens, meta, limits, sampling,
+                               steps, k, sampled)
+
+    def _last_pending(self, seq: SeqState) -> int:
+        return seq.num_computed  # rows t < n: the feature of x_n comes with the next verify
+
+    def _row_spec(self):
+        return [((self.hidden_size,), np.float32), ((), np.int32)]
+
+    def _track(self, seq: SeqState) -> _Track:
+        track = super()._track(seq)
+        # Rows without features (a prefix taken from the cache) keep the head KV already in the
+        # shared pages; acceptance, not exactness, depends on it.
+        track.valid = max(track.valid, min(track.feature_start, seq.num_computed))
+        return track
+
+    def _rows(self, seq, track, start, end, pad_to):
+        features = np.zeros((1, pad_to, self.hidden_size), np.float32)
+        tokens = np.zeros((1, pad_to), np.int32)
+        features[0, :end - start] = track.features_from(start, end)
+        tokens[0, :end - start] = seq.request.all_token_ids[start + 1:end + 1]
+        return [features, tokens]
+
+    def _keep(self, seq: SeqState, start: int, rows: np.ndarray) -> None:
+        track = self._tracks.get(seq.request.request_id)
+        if track is None or track.pages is not seq.pages:
+            track = _Track(seq.pages, seq.request.num_cached_tokens, feature_start=start)
+            self._tracks[seq.request.request_id] = track
+        if start != track.feature_end or not track.features:
+            track.features, track.feature_start = [], start  # a gap: start over from here
+        track.features.append(rows)
+        track.drop_features_before(min(track.valid, start))
+
+    def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None:
+        host = np.asarray(hidden, np.float32)
+        for i, chunk in enumerate(chunks):
+            self._keep(chunk.seq, chunk.start, host[i, :len(chunk.token_ids)])
+
+    def commit(self, seqs: Sequence[SeqState], emitted: Sequence[Sequence[int]],
+               hidden: jax.Array) -> None:
+        host = np.asarray(hidden, np.float32)
+        for i, (seq, out) in enumerate(zip(seqs, emitted)):
+            # Features of the fed token x_n and of the accepted drafts, positions n .. n + a.
+            self._keep(seq, seq.num_computed, host[i, :len(out)])

@@ -1,0 +1,37 @@
+"""Proposers for speculative decoding: who guesses the next tokens that the target verifies.
+
+A proposer is asked, before each speculative decode step, for up to `limits[i]` draft tokens per
+row; it answers with host arrays (drafts [rows, k], counts [rows]) and, when its drafts were
+sampled from a distribution, that distribution [rows, k, V] on device (None for deterministic
+proposals, which the verifier treats as point masses). After the step it is told what each row
+emitted (and the target's final hidden states at the fed positions), and after each prefill
+chunk it sees that chunk's hidden states, so a proposer with state of its own can keep up.
+Model proposers (a draft model, an EAGLE head) are in `infer.drafters`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import jax
+import numpy as np
+
+from infer.engine.plan import PrefillChunk, SeqState
+
+
+class Proposer(Protocol):
+    samples_drafts: bool  # drafts may come with probabilities (sampled requests)
+
+    def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray, jax.Array | None]: ...
+
+    def commit(self, seqs: Sequence[SeqState], emitted: Sequence[Sequence[int]],
+               hidden: jax.Array) -> None: ...
+
+    def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def warmup(self) -> int: ...
+
+

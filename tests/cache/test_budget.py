@@ -1,0 +1,75 @@
+"""KV-cache memory accounting against hand-worked numbers (no model, no device compute)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.cache.budget import gqa_saving, kv_bytes_per_token, memory_budget, weight_bytes
+from infer.model.config import get_config
+
+L70, K70, D70 = 80, 8, 128  # Llama-3-70B: layers, KV heads, head dim
+
+
+def test_llama3_70b_bf16_bytes_per_token():
+    # The lesson's figure: K and V, 80 layers, 8 KV heads, 128 dims, 2 bytes.
+    assert kv_bytes_per_token(get_config("llama-3-70b"), "bfloat16") == 327_680
+    assert kv_bytes_per_token(get_config("llama-3-70b"), "fp16") == 327_680
+
+
+def test_llama3_70b_fp8_is_half_plus_one_scale_per_head():
+    config = get_config("llama-3-70b")
+    assert kv_bytes_per_token(config, "fp8", include_scales=False) == 327_680 // 2
+    # One bfloat16 scale per head and token beside the 128 one-byte values.
+    assert kv_bytes_per_token(config, "fp8") == 2 * L70 * K70 * (128 + 2)
+
+
+def test_llama3_70b_int4_quarter_and_scales():
+    config = get_config("llama-3-70b")
+    assert kv_bytes_per_token(config, "int4", include_scales=False) == 327_680 // 4
+    # 128 dims at 4 bits = 64 bytes, plus 128 / 32 = 4 groups, each a bfloat16 scale and low.
+    assert kv_bytes_per_token(config, "int4") == 2 * 80 * 8 * (64 + 4 * 2 * 2) == 102_400
+
+
+def test_gqa_saving():
+    assert gqa_saving(get_config("llama-3-70b")) == 8  # 64 query heads / 8 KV heads
+    assert gqa_saving(get_config("smollm2-135m")) == 3  # 9 / 3
+
+
+def test_memory_budget_arithmetic_on_a_tiny_model():
+    config = get_config("tiny")  # vocab 512, d 64, ffn 128, 2 layers, 4 heads, 2 KV heads, D 16
+    # Parameters: embedding 512*64 (tied) + 2 layers * (attention 64*16*(2*4 + 2*2)
+    # + MLP 3*64*128 + two norms 2*64) + final norm 64.
+    params = 512 * 64 + 2 * (64 * 16 * 12 + 3 * 64 * 128 + 2 * 64) + 64
+    assert params == 106_816
+    assert weight_bytes(config, "float32") == 4 * params
+    b = memory_budget(config, gpu_memory_gb=0.25, num_gpus=2, weight_dtype="float32",
+                      kv_format="float16", overhead_fraction=0.1)
+    total = 2 * 0.25e9  # 500,000,000 bytes
+    available = total - 0.1 * total - 4 * params  # 449,572,736
+    assert b.kv_bytes_available == available == 449_572_736
+    assert b.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 256  # K,V * layers * heads * D * 2 B
+    assert b.max_cached_tokens == 449_572_736 // 256 == 1_756_143
+    assert b.max_users(4096) == 428  # 1,756,143 / 4096 = 428.7
+    assert b.max_users(1) == 1_756_143
+    assert b.fits
+    with pytest.raises(ValueError, match="context_len"):
+        b.max_users(0)
+
+
+def test_model_that_does_not_fit():
+    # 405B parameters in bf16 (~812 GB) on 4 × 80 GB.
+    b = memory_budget(get_config("llama-3-405b"), gpu_memory_gb=80, num_gpus=4,
+                      weight_dtype="bfloat16", kv_format="float16")
+    assert not b.fits
+    assert b.kv_bytes_available < 0
+    assert b.max_cached_tokens == 0
+    assert b.max_users(4096) == 0
+
+
+@pytest.mark.parametrize("fmt", ["int3", "fp7", "float64"])
+def test_bad_format_raises_naming_it(fmt: str):
+    config = get_config("llama-3-70b")
+    with pytest.raises(ValueError, match=repr(fmt)):
+        kv_bytes_per_token(config, fmt)
+    with pytest.raises(ValueError, match=repr(fmt)):
+        memory_budget(config, gpu_memory_gb=80, kv_format=fmt)

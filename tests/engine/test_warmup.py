@@ -1,0 +1,116 @@
+"""Warm-up compiles every program a serving run executes: after `engine.warmup()` a run compiles
+nothing, without speculation, with every proposer and with prefix caching, including the
+one-row verify step whose k+1 tokens equal a prefill chunk's bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from infer.engine.engine import Engine, EngineConfig
+from infer.engine.runner import RunnerConfig, Shape
+from infer.model.config import get_config
+from infer.platform import CompileCounter
+from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig
+
+TINY = get_config("tiny")
+
+
+def test_shapes_list_the_one_row_verify_whose_tokens_are_a_prefill_bucket(tiny_model) -> None:
+    """k = 15 with 16-token prefill chunks: the one-row verify [1, 16] and the one-chunk
+    prefill [1, 16] are different programs, and both are listed (the verify twice when drafts
+    may come with probabilities)."""
+    from infer.engine.runner import Runner
+    from infer.spec.ngram import NgramProposer
+
+    config = RunnerConfig(num_pages=16, page_size=4, max_num_seqs=2, max_prefill_tokens=16,
+                          max_model_len=64, num_speculative_tokens=15, min_window=32)
+    runner = Runner(tiny_model, config, NgramProposer())
+    shapes = set(runner.shapes())
+    for width in (8, 16):
+        assert {Shape("prefill", 1, 16, width), Shape("verify", 1, 16, width),
+                Shape("verify", 2, 16, width), Shape("decode", 1, 1, width)} <= shapes
+    assert len(shapes) == 2 * (2 + 2 + 1)  # per width: 2 decodes, 2 verifies, 1 prefill
+
+
+def test_min_window_is_a_validated_config_field(tiny_model) -> None:
+    """The smallest attention window is the config's (it was a module global that a script
+    overwrote for every engine in the process), passed down from the engine's config."""
+    config = RunnerConfig(num_pages=4, page_size=16, max_model_len=256)
+    assert config.window_buckets == (8, 16)  # 128 and 256 tokens
+    assert RunnerConfig(num_pages=4, page_size=16, max_model_len=256,
+                        min_window=32).window_buckets == (2, 4, 8, 16)
+    for bad in (0, -16, True, 32.0):
+        with pytest.raises(ValueError, match="min_window"):
+            RunnerConfig(num_pages=4, min_window=bad)
+    engine = Engine(tiny_model, None, EngineConfig(max_num_seqs=2, max_model_len=64,
+                                                   page_size=4, min_window=16))
+    assert engine.runner.config.min_window == 16
+    assert engine.runner.config.window_buckets == (4, 8, 16)
+
+
+def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Random and repetitive prompts (lookup proposes on these), some sharing a 12-token
+    prefix (three pages: a prefix cache hit), greedy and sampled with top-k and top-p."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, TINY.vocab_size, 12).tolist()
+    prompts = [rng.integers(1, TINY.vocab_size, rng.integers(3, 36)).tolist() for _ in range(4)]
+    prompts += [shared + rng.integers(1, TINY.vocab_size, n).tolist() for n in (2, 9, 20)]
+    prompts += [[5, 6, 7, 8] * 5, [9, 10, 11] * 7, shared + [3, 4] * 6]
+    params = [SamplingParams(max_tokens=int(n), temperature=t, top_k=k, top_p=p, seed=i,
+                             ignore_eos=True)
+              for i, (n, t, k, p) in enumerate(zip(rng.integers(2, 26, len(prompts)),
+                                                   [0.0, 0.7, 0.0, 1.3, 0.0] * 2,
+                                                   [0, 5, 0, 0, 40] * 2,
+                                                   [1.0, 1.0, 0.9, 1.0, 1.0] * 2))]
+    return prompts, params
+
+
+# Two windows (min_window=32: page tables of 8 and 16 pages) where rows cross from one width to
+# the next; the model proposers, whose programs are the most, at one.
+CASES = {
+    "plain": dict(min_window=32),
+    "prefix_caching": dict(min_window=32, enable_prefix_caching=True),
+    # k + 1 = 16 = the only prefill bucket: the verify shape the old warm-up mistook for a prefill.
+    "ngram_k15": dict(min_window=32, speculative=("ngram", 15), enable_prefix_caching=True),
+    "self_draft": dict(speculative=("self_draft", 3), enable_prefix_caching=True),
+    "eagle": dict(speculative=("eagle", 3), enable_prefix_caching=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
+    options = dict(CASES[case])
+    spec = options.pop("speculative", None)
+    if spec is not None:
+        spec = SpeculativeConfig(spec[0], spec[1], self_draft_layers=1,
+                                 draft_path=tiny_weights["draft"],
+                                 eagle_path=tiny_weights["eagle"])
+    engine = Engine(tiny_model, None, EngineConfig(
+        max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4,
+        speculative=spec, **options))
+    engine.warmup()
+    verified = []  # (rows, tokens) of each verify step, to check the run reached the edge case
+    verify_step = engine.runner.steps.verify_step
+
+    def recording(cache, tokens, *args):
+        verified.append(tokens.shape)
+        return verify_step(cache, tokens, *args)
+
+    engine.runner.steps.verify_step = recording
+    prompts, params = workload(seed=6)
+    with CompileCounter() as compiles:
+        for p, sp in zip(prompts, params):
+            engine.add_request(prompt_token_ids=p, params=sp)
+        engine.run_until_done()
+        # Alone, again: one-row steps (verifies with greedy drafts, no probabilities), and with
+        # prefix caching its whole prompt but the last token comes from the cache.
+        engine.add_request(prompt_token_ids=prompts[-3], params=SamplingParams(
+            max_tokens=20, ignore_eos=True))
+        engine.run_until_done()
+    assert compiles.count == 0
+    if spec is not None:
+        assert (1, spec.num_tokens + 1) in verified
+    if options.get("enable_prefix_caching"):
+        assert engine.prefix_cache_stats()["hit_tokens"] > 0

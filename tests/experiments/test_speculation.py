@@ -1,0 +1,100 @@
+"""Smoke test of experiments/speculation.py on the tiny model: both parts run end to end, the
+JSONL rows carry their fields with sane values, greedy speculation changes no token, a method
+without weights is skipped with a note, and a resumed run measures no point already written."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import speculation
+from experiments.common import read_jsonl
+from infer.model.config import get_config
+from infer.model.llama import Llama
+
+CONFIG = get_config("tiny")
+
+
+def test_cost_model_matches_the_lesson() -> None:
+    assert speculation.expected_tokens(0.0, 4) == 1.0
+    assert speculation.expected_tokens(1.0, 4) == 5.0
+    assert speculation.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # Free drafts and a verify as cheap as a decode step: the speedup is E itself.
+    assert speculation.predicted_speedup(0.5, 2, 0.0, 1.0) == pytest.approx(1.75)
+    assert speculation.predicted_speedup(0.5, 2, 0.1, 1.2) == pytest.approx(1.75 / 1.4)
+    # DeviceSteps where nothing was proposed are plain decode steps.
+    assert speculation.predicted_speedup(0.5, 2, 0.0, 1.0, verify_fraction=0.0) == 1.0
+    # A step that accepts all k drafts saw no rejection; one that accepted 1 of 3 saw one.
+    assert speculation.alpha_mle([2, 1], [2, 3]) == pytest.approx(3 / 4)
+
+
+def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> None:
+    model = Llama(CONFIG, jnp.float32, nnx.Rngs(0))
+    # Small embeddings for varied greedy text (see test_tree_speculation).
+    model.embed.set_value(model.embed.get_value() * 0.05)
+    rng = np.random.default_rng(0)
+    # Prompts that repeat themselves, so prompt lookup has something to propose.
+    grounded = [np.tile(rng.integers(0, CONFIG.vocab_size, 12), 3).tolist() for _ in range(2)]
+    chat = [rng.integers(0, CONFIG.vocab_size, 20).tolist() for _ in range(2)]
+    real_missing = speculation.missing_weights
+    monkeypatch.setattr(speculation, "missing_weights",
+                        lambda m: "/nonexistent/draft.safetensors" if m == "draft"
+                        else real_missing(m))
+    out = str(tmp_path / "speculation.jsonl")
+    rows = speculation.run(
+        parts=["engine", "tree"], methods=["ngram", "draft"], ks=[2], temperatures=[0.0],
+        batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200, warmup="pass",
+        tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0, out=out,
+        loaded=(CONFIG, model, None), prompts={"grounded": grounded, "chat": chat},
+        eagle_path=str(tmp_path / "no_eagle.safetensors"))
+    printed = capsys.readouterr().out
+    assert "skipping method 'draft'" in printed and "| method |" in printed
+    assert (tmp_path / "speculation.png").exists()
+
+    stored = read_jsonl(out)
+    assert len(stored) == len(rows) == 2 + 2 + 3  # baselines, ngram per batch, tree part
+    assert all(r["method"] != "draft" for r in stored)
+    # Timed passes built no program (a compile or a cache load would be in the timing).
+    assert all(r["programs_built_while_timed"] == 0 for r in stored if r["part"] == "engine")
+    spec = [r for r in stored if r["part"] == "engine" and r["method"] == "ngram"]
+    assert {r["batch"] for r in spec} == {1, 2}
+    for r in spec:
+        for key in ("decode_tok_s", "baseline_decode_tok_s", "speedup", "acceptance_rate",
+                    "alpha_mle", "tokens_per_verify", "draft_cost_ratio", "verify_cost_ratio",
+                    "pred_speedup", "pred_speedup_mle", "env"):
+            assert key in r, key
+        assert r["greedy_identical"] == 1.0
+        assert 0 < r["proposed"] and 0 <= r["accepted"] <= r["proposed"]
+        assert 0.0 <= r["acceptance_rate"] <= r["alpha_mle"] <= 1.0
+        assert 1.0 <= r["tokens_per_verify"] <= r["k"] + 1
+        assert r["decode_tok_s"] > 0 and r["speedup"] > 0 and r["pred_speedup"] > 0
+        assert r["draft_cost_ratio"] >= 0 and r["verify_cost_ratio"] > 0
+        if "engine_stats" in r:  # the engine's own counters agree with the probe's
+            assert r["engine_stats"]["proposed"] == r["proposed"]
+            assert r["engine_stats"]["accepted"] == r["accepted"]
+    tree = [r for r in stored if r["part"] == "tree"]
+    assert [r["tree"] for r in tree] == ["none", "2x1", "1x1"]
+    for r in tree[1:]:
+        assert r["head"] == "random" and r["greedy_identical"] == 1.0
+        assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["tokens_per_verify"] >= 1.0
+        assert math.isfinite(r["pred_speedup"]) and r["decode_tok_s"] > 0
+
+    # A resumed run over the same file measures nothing (every point's row is there) and
+    # returns the same rows, a baseline's token ids included for its speculative points.
+    def measured(*args, **kwargs):
+        raise AssertionError("a resumed run measured a point that was already in the file")
+
+    monkeypatch.setattr(speculation, "run_workload", measured)
+    monkeypatch.setattr(speculation, "time_tree_pieces", measured)
+    again = speculation.run(
+        parts=["engine", "tree"], methods=["ngram", "draft"], ks=[2], temperatures=[0.0],
+        batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200, warmup="pass",
+        tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0, out=out,
+        loaded=(CONFIG, model, None), prompts={"grounded": grounded, "chat": chat},
+        eagle_path=str(tmp_path / "no_eagle.safetensors"), resume=True)
+    assert [r["key"] for r in again] == [r["key"] for r in rows]
+    assert len(read_jsonl(out)) == len(rows)

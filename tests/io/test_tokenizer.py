@@ -1,0 +1,153 @@
+"""The GGUF-built tokenizer against HF transformers' tokenizer loaded from the same file."""
+
+from __future__ import annotations
+
+import os
+from pydoc_data.topics import topics
+
+import pytest
+
+from infer.io.checkpoint import read_gguf_tokenizer, smollm2_gguf_path
+from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    "Héllo wörld, ça va? Ñandú Zürich façade",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "emoji 🎉👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
+    "  leading and   multiple    spaces  ",
+    "tabs\tand\nnewlines\n\n\r\n  \n end\t\t",
+    "def f(x):\n    return x ** 2  # square\n\tif x != 0: print(f'{x!r}')\n",
+    "1234567890 3.14159 1,000,000 v2.0.1 0x1F",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "a<file_sep>b <reponame>c<|endoftext|>d<|im_end|>",
+    topics["for"][:3000],
+    topics["lambda"] + topics["string-methods"][:3000],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_path: str) -> Tokenizer:
+    return Tokenizer.from_gguf(read_gguf_tokenizer(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(gguf_path: str):
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_hf(tok: Tokenizer, hf_tok, text: str) -> None:
+    assert tok.encode(text, add_bos=False) == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.encode(text) == hf_tok.encode(text)  # both default to no BOS for SmolLM2
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trips(tok: Tokenizer, hf_tok, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens(tok: Tokenizer, hf_tok) -> None:
+    assert tok.vocab_size == len(hf_tok) == 49152
+    assert tok.bos_id == hf_tok.bos_token_id == 1
+    assert hf_tok.eos_token_id in tok.eos_ids
+    assert tok.token_to_id("<|im_end|>") in tok.eos_ids
+    assert tok.add_bos is False
+    assert tok.is_special(0) and tok.is_special(2) and tok.is_special(16)
+    assert not tok.is_special(tok.encode("hello")[0])
+    assert tok.encode("hi", add_bos=True)[0] == tok.bos_id
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([49152])
+
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Écris un haïku sur la mer 🌊"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+     {"role": "user", "content": "Tell me a joke.\nA short one."}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_hf(tok: Tokenizer, hf_tok, messages, add_generation_prompt) -> None:
+    ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = hf_tok.apply_chat_template(messages, tokenize=False,
+                                        add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+    assert tok.encode(ours) == hf_tok.encode(theirs, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", [
+    [],
+    "hello",
+    ["hello"],
+    [{"role": "user"}],
+    [{"role": "user", "content": 3}],
+    [{"content": "hi"}],
+    [{"role": None, "content": "hi"}],
+])
+def test_chat_template_rejects_bad_messages(tok: Tokenizer, messages) -> None:
+    with pytest.raises(ValueError, match="messages"):
+        tok.apply_chat_template(messages)
+
+
+def test_chat_template_raise_exception(tok: Tokenizer) -> None:
+    strict = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                       chat_template="{% if messages[0]['role'] != 'user' %}"
+                                     "{{ raise_exception('first message must be from the user') }}"
+                                     "{% endif %}{{ messages[0]['content'] }}")
+    assert strict.apply_chat_template([{"role": "user", "content": "ok"}]) == "ok"
+    with pytest.raises(ValueError, match="first message must be from the user"):
+        strict.apply_chat_template([{"role": "assistant", "content": "no"}])
+
+
+@pytest.mark.parametrize("text", [
+    "héllo 世界 🎉👍🏽 done",
+    "👨‍👩‍👧🇫🇷 日本語のテキスト 中文 한국어 ∑∫√ ok",
+    topics["for"][:500],
+])
+def test_incremental_detokenizer(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.step(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert not any("\ufffd" in p for p in pieces)  # nothing emitted before its character completes
+    assert "".join(pieces) == detok.text == tok.decode(ids) == text
+
+
+def test_incremental_detokenizer_final_flushes_incomplete_char(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🎉")
+    cut = ids[:-1]  # the emoji spans several byte-level tokens: this ends mid-character
+    assert tok.decode(cut).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.step(cut[:n]) for n in range(1, len(cut) + 1)][-1] == ""
+    detok.step(cut, final=True)
+    assert detok.text == tok.decode(cut)
+    with pytest.raises(ValueError, match="shrank"):
+        detok.step(cut[:1])
+
+
+def test_from_hf_dir_matches_gguf(tok: Tokenizer, hf_tok, tmp_path) -> None:
+    hf_tok.save_pretrained(tmp_path)
+    from_dir = Tokenizer.from_hf_dir(tmp_path)
+    assert (from_dir.bos_id, from_dir.add_bos, from_dir.vocab_size) == (1, False, 49152)
+    assert 2 in from_dir.eos_ids
+    for text in TEXTS:
+        assert from_dir.encode(text) == tok.encode(text)
+    assert from_dir.apply_chat_template(CONVERSATIONS[0]) == tok.apply_chat_template(CONVERSATIONS[0])
+
+
+def test_from_hf_dir_without_tokenizer_json(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)

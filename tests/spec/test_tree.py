@@ -1,0 +1,217 @@
+"""EAGLE tree and chain speculation: greedy output equals plain greedy decoding, and the caches
+after a step are what plain passes over the accepted tokens write.
+
+"Plain greedy" is checked by one teacher-forced pass (every generated token is the target's
+argmax after the tokens before it), which compiles one program per model where a decoding
+loop compiles two: the compiles are most of this file's time. The tests share speculators
+through a module fixture, each compiled once (nothing is cached per process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.cache.contiguous import KVCache
+from infer.cache.metadata import AttentionMetadata
+from infer.io.tensors import assign_params, named_params
+from infer.model.config import get_config
+from infer.model.llama import Llama
+from infer.spec.eagle_head import EagleHead
+from infer.spec.tree import (
+    PlainGenerator,
+    TreeSpeculator,
+    eagle_generate,
+    full_tree,
+    plain_generate,
+)
+
+CONFIG = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Llama, EagleHead]:
+    """A random target and head. Small embeddings: with the tied head, random layers otherwise
+    leave each token's own embedding dominant and greedy text repeats one token."""
+    target = Llama(CONFIG, jnp.float32, nnx.Rngs(0))
+    target.embed.set_value(target.embed.get_value() * 0.05)
+    return target, EagleHead(CONFIG, jnp.float32, nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def oracle() -> tuple[Llama, EagleHead]:
+    """A one-layer target with damped attention and a head that copies its layer: the head's
+    ĥ(h, x) is close to the target's feature of x, so most drafts are accepted and every
+    part of a step (deep paths, compaction, the head's catch-up) is exercised."""
+    config = CONFIG.replace(num_layers=1)
+    target = Llama(config, jnp.float32, nnx.Rngs(2))
+    target.embed.set_value(target.embed.get_value() * 0.05)
+    o_proj = target.layers[0].attn.o_proj
+    o_proj.set_value(o_proj.get_value() * 0.05)
+    head = EagleHead(config, jnp.float32, nnx.Rngs(3))
+    layer = {k[len("layers.0."):]: v for k, v in named_params(target).items()
+             if k.startswith("layers.0.")}
+    assign_params(head.layer, layer)
+    assign_params(head.norm, {"weight": target.norm.weight.get_value()})
+    e = config.hidden_size
+    head.fc.set_value(jnp.concatenate([jnp.zeros((e, e)), jnp.eye(e)]))
+    return target, head
+
+
+@pytest.fixture(scope="module")
+def speculators(tiny, oracle) -> Callable[[str, int, int], TreeSpeculator]:
+    """speculators(models, branches, depth): the module's TreeSpeculator over `tiny` ("random")
+    or `oracle` models with caches of MAX_LEN, built on first use and then shared."""
+    built: dict[tuple[str, int, int], TreeSpeculator] = {}
+
+    def get(models: str, branches: int, depth: int) -> TreeSpeculator:
+        if (models, branches, depth) not in built:
+            target, head = tiny if models == "random" else oracle
+            built[models, branches, depth] = TreeSpeculator(target, head, branches, depth,
+                                                            MAX_LEN)
+        return built[models, branches, depth]
+    return get
+
+
+def test_full_tree_layout() -> None:
+    assert full_tree(2, 3).tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    assert full_tree(1, 3).tolist() == [-1, 0, 1, 2]
+
+
+PROMPT = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 11).tolist()
+MAX_LEN = 128
+_forward = nnx.jit(lambda model, *args: model(*args))
+
+
+def _is_greedy(target: Llama, prompt: list[int], generated: list[int], width: int = 64) -> bool:
+    """Whether each generated token is the target's argmax after all the tokens before it,
+    i.e. plain greedy decoding, checked with one teacher-forced pass (one compile per model,
+    where a decoding loop compiles two)."""
+    c, tokens = target.config, prompt + generated[:-1]
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(tokens)] = tokens
+    cache = KVCache.create(c.num_layers, 1, width, c.num_kv_heads, c.head_dim)
+    logits, _, _ = _forward(target, jnp.asarray(padded), cache,
+                            AttentionMetadata.for_prefill([len(tokens)], width))
+    argmax = np.asarray(logits[0, len(prompt) - 1:len(tokens)]).argmax(-1)
+    return argmax.tolist() == generated
+
+
+@pytest.mark.parametrize("models,branches,depth",
+                         [("random", 2, 3), ("oracle", 2, 3), ("oracle", 1, 3)])
+def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators, models,
+                                                        branches, depth) -> None:
+    target = (tiny if models == "random" else oracle)[0]
+    got, stats = speculators(models, branches, depth).generate(PROMPT, 40)
+    assert len(got) == 40 and len(set(got)) > 10  # the check is not about one repeated token
+    assert _is_greedy(target, PROMPT, got)
+    # Steps emitted the 39 tokens after the first, the last step perhaps a few more.
+    assert 0 <= stats["accepted"] + stats["verify_steps"] - 39 <= depth
+    if models == "oracle":  # most drafts accepted: deep paths went through every part of a step
+        assert stats["mean_accepted"] > 1.0
+
+
+def test_plain_generate_is_greedy_and_stops_at_eos(tiny, speculators) -> None:
+    got, _ = PlainGenerator(tiny[0], MAX_LEN).generate(PROMPT, 20)
+    assert _is_greedy(tiny[0], PROMPT, got)
+    tree, _ = speculators("random", 2, 3).generate(PROMPT, 20, eos_ids=[got[5]])
+    assert tree == got[:got.index(got[5]) + 1]
+
+
+def test_the_functions_keep_nothing_alive() -> None:
+    """`eagle_generate` and `plain_generate` build their programs per call and drop them (and
+    the models) after it: a process-wide cache kept every speculator, its models and their
+    compiled programs alive for good."""
+    config = CONFIG.replace(num_layers=1)
+    target, head = Llama(config, jnp.float32, nnx.Rngs(4)), EagleHead(config, jnp.float32,
+                                                                       nnx.Rngs(5))
+    target.embed.set_value(target.embed.get_value() * 0.05)
+    plain, _ = plain_generate(target, PROMPT, 6, max_len=64)
+    chain, _ = eagle_generate(target, head, PROMPT, 6, branches=1, depth=1, max_len=64)
+    assert chain == plain
+    alive = [weakref.ref(target), weakref.ref(head)]
+    del target, head
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+
+
+def test_sampled_at_low_temperature_is_greedy(oracle, speculators) -> None:
+    """The sampled rule with a near-point-mass target emits the greedy tokens (a smoke test of
+    the sampled path; its exactness is tested in test_speculative)."""
+    target, _ = oracle
+    got, stats = speculators("oracle", 2, 3).generate(PROMPT, 24, temperature=1e-4, seed=3)
+    assert _is_greedy(target, PROMPT, got) and stats["mean_accepted"] > 1.0
+
+
+def _plain_caches(target: Llama, head: EagleHead, tokens: list[int], max_len: int
+                  ) -> tuple[KVCache, KVCache]:
+    """Target cache of one prefill over tokens[:-1], and the head's over its true features,
+    rows (h_s, x_{s+1}) for every s of that prefill."""
+    c, n = target.config, len(tokens) - 1
+    cache = KVCache.create(c.num_layers, 1, max_len, c.num_kv_heads, c.head_dim)
+    _, hidden, cache = nnx.jit(lambda m, *a: m(*a))(
+        target, jnp.asarray([tokens[:-1]]), cache, AttentionMetadata.for_prefill([n], n))
+    _, head_cache = nnx.jit(lambda h, *a: h(*a))(
+        head, hidden, jnp.asarray([tokens[1:]]), target.embed, head.create_cache(1, max_len),
+        AttentionMetadata.for_prefill([n], n))
+    return cache, head_cache
+
+
+def _assert_slots_equal(got: KVCache, want: KVCache, slots: int) -> None:
+    for a, b in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_allclose(np.asarray(a[:, :, :slots]), np.asarray(b[:, :, :slots]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_cache_after_a_step_equals_a_plain_pass(tiny, speculators) -> None:
+    """A hand-built 2 x 3 tree whose greedy path runs through second children (nodes 2, 6, 14,
+    in slots n+2, n+6, n+14): after verification the target's cache equals a plain prefill
+    over the accepted tokens; after the next step's catch-up, so does the head's."""
+    target, head = tiny
+    # Greedy tokens (checked above): x_n, the three the tree holds, the bonus, ...
+    spec = speculators("random", 2, 3)
+    ref = spec.generate(PROMPT, 12)[0]
+    state = spec.prefill(PROMPT)
+    assert int(state.root) == ref[0]
+    state = dataclasses.replace(state, head_cache=spec.draft(state)[1])  # as `step` would
+    fillers = [t for t in range(CONFIG.vocab_size) if t not in ref[:5]]  # never accepted
+    tree = np.array([ref[0]] + fillers[:14])
+    for node, token in ((2, ref[1]), (6, ref[2]), (14, ref[3])):
+        tree[node] = token
+    state, emitted, accepted = spec.verify(state, tree)
+    assert int(accepted) == 3 and np.asarray(emitted).tolist() == ref[1:5]
+    n = int(state.length)
+    assert n == len(PROMPT) + 4
+    want_target, want_head = _plain_caches(target, head, PROMPT + ref[:5], MAX_LEN)
+    _assert_slots_equal(state.target_cache, want_target, n)
+    state, emitted, accepted = spec.step(state)
+    assert np.asarray(emitted)[:int(accepted) + 1].tolist() == ref[5:6 + int(accepted)]
+    _assert_slots_equal(state.head_cache, want_head, n)
+
+
+def test_a_step_past_max_len_raises(speculators) -> None:
+    """A step writes the tree's 15 nodes after the cached tokens; with fewer than 15 slots left
+    it raises instead of dropping their KV (and compacting onto clamped slots)."""
+    spec = speculators("random", 2, 3)
+    state = spec.prefill(PROMPT)
+    full = dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes + 1))
+    for call in (spec.step, spec.draft, lambda s: spec.verify(s, np.zeros(spec.num_nodes))):
+        with pytest.raises(ValueError, match=rf"slots \[{MAX_LEN - 14}, {MAX_LEN + 1}\)"):
+            call(full)
+    spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
+
+
+def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2) -> None:
+    config, target, tokenizer = smollm2
+    head = EagleHead(config, jnp.float32, nnx.Rngs(0))
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}]))
+    tree, _ = eagle_generate(target, head, prompt, 10, branches=2, depth=2)
+    chain, _ = eagle_generate(target, head, prompt, 10, branches=1, depth=2)
+    assert tree == chain and _is_greedy(target, prompt, tree)
