@@ -1,11 +1,13 @@
 """Shared by the experiment scripts: environment record, machine ceilings, timing, JSONL results
-(written row by row, resumable), the peers' package check."""
+(written row by row, resumable), the peers' package check, the one `__main__` wrapper
+(`run_main`) and the one figure preamble (`new_figure`, `save_figure`)."""
 
 from __future__ import annotations
 
 import datetime
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -266,7 +268,73 @@ def run_experiment(main: Callable[[list[str]], None], experiment_flags: Any) -> 
     another) without redefining each other's flags. absl's own flags are parsed first."""
     from absl import app, flags
 
-    app.run(main, flags_parser=lambda argv: experiment_flags(flags.FLAGS(argv, known_only=True)))
+    def parse(argv: list[str]) -> list[str]:
+        if {"-h", "-?", "--help", "--helpshort"} & set(argv):  # absl lists only its own flags
+            print(experiment_flags.get_help())
+        return experiment_flags(flags.FLAGS(argv, known_only=True))
+
+    app.run(main, flags_parser=parse)
+
+
+# A list flag holds strings; `run` says in its annotation what it takes.
+_FROM_FLAG = {"list[int]": lambda v: [int(x) for x in v],
+              "list[float]": lambda v: [float(x) for x in v],
+              "tuple[int, int]": lambda v: (int(v[0]), int(v[1]))}
+
+
+def flag_kwargs(run_fn: Callable[..., Any], experiment_flags: Any) -> dict[str, Any]:
+    """`run_fn`'s keyword arguments from the flags of the same names: every parameter with a
+    flag, a list flag converted to its parameter's annotation (`list[int]`, `list[float]`,
+    `tuple[int, int]`); parameters without a flag keep their defaults."""
+    kwargs = {}
+    for name, param in inspect.signature(run_fn).parameters.items():
+        if name in experiment_flags:
+            value = experiment_flags[name].value
+            kwargs[name] = _FROM_FLAG.get(str(param.annotation), lambda v: v)(value)
+    return kwargs
+
+
+def run_main(run_fn: Callable[..., Any], experiment_flags: Any, *,
+             compilation_cache: bool = False,
+             args: Callable[[Any], Mapping[str, Any]] | None = None) -> None:
+    """The `__main__` of an experiment: parses the flags (see `run_experiment`), sets the
+    platform up (XLA's CPU flags; with `compilation_cache`, JAX's persistent compilation cache)
+    and calls `run_fn(**flag_kwargs(run_fn, flags), **args(flags))` -- `args` for what a flag
+    does not give one to one (a renamed parameter, a preset). `run_fn` writes its rows, prints
+    its table and draws its plot itself, so that a library caller gets the same."""
+    def main(argv: list[str]) -> None:
+        del argv
+        from infer.platform import configure_xla_cpu, enable_compilation_cache
+        configure_xla_cpu()
+        if compilation_cache:
+            enable_compilation_cache()
+        run_fn(**{**flag_kwargs(run_fn, experiment_flags),
+                  **(args(experiment_flags) if args is not None else {})})
+
+    run_experiment(main, experiment_flags)
+
+
+def new_figure(ncols: int = 1, *, figsize: tuple[float, float], nrows: int = 1
+               ) -> tuple[Any, Any]:
+    """(fig, axes) of a new matplotlib figure on the Agg backend (no display needed); hand it
+    to `save_figure` when drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(nrows, ncols, figsize=figsize)
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Lays `fig` out tight, saves it to `path` (its folder made) at 120 dpi and closes it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def load_hf_smollm2(dtype: str) -> Any:

@@ -37,14 +37,9 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (
-        ResultLog,
-        load_hf_smollm2,
-        markdown_table,
-        measure_ceilings,
-        real_text,
-        usable_peers,
-    )
+    from experiments.common import (ResultLog, load_hf_smollm2, markdown_table, measure_ceilings,
+                                    usable_peers)
+    from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import decode_stream
@@ -55,8 +50,8 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     log = ResultLog(out, resume=resume)
     config, model, tokenizer = load("smollm2-135m", dtype)
     steps = DeviceSteps(model)
-    ids = tokenizer.encode(real_text(200_000))
-    prompts = lambda b: [ids[i * prompt_len:(i + 1) * prompt_len] for i in range(b)]
+    ids = text_ids(tokenizer, 200_000)
+    prompts = lambda b: consecutive_prompts(ids, b, prompt_len)
     params = SamplingParams(ignore_eos=True)
 
     def infer_generate(b: int, n: int):
@@ -115,16 +110,6 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     return rows
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    run(batch_sizes=[int(b) for b in FLAGS.batch_sizes], dtype=FLAGS.dtype, tokens=FLAGS.tokens,
-        prompt_len=FLAGS.prompt_len, repeats=FLAGS.repeats, peers=FLAGS.peers, out=FLAGS.out,
-        resume=FLAGS.resume)
-
-
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)

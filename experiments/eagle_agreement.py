@@ -37,7 +37,7 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
     import jax.numpy as jnp
     import numpy as np
 
-    from experiments.spec_data import generated_mask
+    from experiments.training import generated_mask
     from infer.cache.contiguous import KVCache
     from infer.cache.metadata import AttentionMetadata
     from infer.spec.eagle_head import eagle_forward, eagle_logits
@@ -64,23 +64,24 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     import functools
 
     from experiments.common import ResultLog, markdown_table
-    from experiments.speculation import build_prompts
+    from experiments.workloads import build_prompts
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.simple_loop import generate
     from infer.io.loader import load
     from infer.spec.eagle_head import load_eagle
-    from infer.spec.tree import PlainGenerator
 
     log = ResultLog(out, resume=resume)
 
     @functools.cache
     def models():
         config, target, tokenizer = load("smollm2-135m", "float32")
-        return target, load_eagle(config, eagle_path), tokenizer, PlainGenerator(target)
+        return target, load_eagle(config, eagle_path), tokenizer, DeviceSteps(target)
 
     def measure(kind: str) -> dict:
         target, head, tokenizer, plain = models()
         totals = [0, 0, 0, 0]
         for prompt in build_prompts(tokenizer, kind, num_prompts, snippet_chars):
-            answer, _ = plain.generate(prompt, max_tokens)
+            answer, _ = generate(plain, prompt, max_tokens)
             totals = [a + b for a, b in zip(totals, agreement(target, head, prompt, answer))]
         return {"answer_top1": totals[0] / totals[1], "answer_positions": totals[1],
                 "all_top1": totals[2] / totals[3], "all_positions": totals[3]}
@@ -96,15 +97,6 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     return rows
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu
-    configure_xla_cpu()
-    run(kinds=FLAGS.kinds, num_prompts=FLAGS.num_prompts, max_tokens=FLAGS.max_tokens,
-        snippet_chars=FLAGS.snippet_chars, eagle_path=FLAGS.eagle_path, out=FLAGS.out,
-        resume=FLAGS.resume)
-
-
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS)

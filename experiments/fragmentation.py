@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 
 import numpy as np
 from absl import flags
 
 from experiments.common import define_resume_flag
+from experiments.workloads import poisson_pareto
 from infer.cache.page_allocator import PageAllocator, SequencePages
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
@@ -74,18 +74,13 @@ def make_workload(*, num_requests: int, rate: float, prompt_dist: str, prompt_mi
     if prompt_min >= max_model_len:
         raise ValueError(f"prompt_min {prompt_min} leaves no room to generate in "
                          f"max_model_len {max_model_len}")
-    rng = np.random.default_rng(seed)
-    arrivals = np.floor(np.cumsum(rng.exponential(1.0 / rate, num_requests))).astype(int)
-    if prompt_dist == "uniform":
-        prompts = rng.integers(prompt_min, prompt_max + 1, num_requests)
-    elif prompt_dist == "lognormal":
-        prompts = np.rint(rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests))
-    else:
-        raise ValueError(f"unknown prompt_dist {prompt_dist!r}: uniform or lognormal")
-    prompts = np.clip(prompts, prompt_min, min(prompt_max, max_model_len - 1)).astype(int)
-    # numpy's pareto() is the Lomax form; 1 + it, times the scale, is the classical Pareto.
-    outputs = np.ceil(output_scale * (1.0 + rng.pareto(output_shape, num_requests))).astype(int)
-    outputs = np.maximum(1, np.minimum(np.minimum(outputs, output_cap), max_model_len - prompts))
+    arrivals, prompts, outputs = poisson_pareto(
+        np.random.default_rng(seed), num_requests=num_requests, rate=rate,
+        prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
+        output_scale=output_scale, output_cap=output_cap, prompt_dist=prompt_dist,
+        prompt_median=prompt_median, prompt_sigma=prompt_sigma, max_model_len=max_model_len,
+        round_up=True)
+    arrivals = np.floor(arrivals).astype(int)  # engine steps
     return [Request(int(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]
 
 
@@ -248,14 +243,12 @@ def run(*, num_requests: int, rate: float, prompt_dist: str, prompt_min: int, pr
 
 def plot_waste(rows: list[dict], path: str) -> None:
     """Waste and batch size against page size, the contiguous policy as a reference line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments.common import new_figure, save_figure
 
     paged = [r for r in rows if r["policy"] == "paged"]
     contig = next(r for r in rows if r["policy"] == "contiguous")
     g = [r["page_size"] for r in paged]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = new_figure(2, figsize=(10, 4))
     ax1.plot(g, [100 * r["waste_fraction"] for r in paged], "o-", label="paged")
     ax1.axhline(100 * contig["waste_fraction"], color="red", ls="--",
                 label=f"contiguous ({contig['max_model_len']} reserved): "
@@ -276,25 +269,9 @@ def plot_waste(rows: list[dict], path: str) -> None:
     fig.suptitle(f"{contig['num_requests']} requests, {contig['kv_tokens']} KV slots, "
                  f"rate {contig['rate']:g}/step, prompts {contig['prompt_dist']}, "
                  f"outputs Pareto({contig['output_shape']:g}, {contig['output_scale']:g})")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu
-    configure_xla_cpu()
-    run(num_requests=FLAGS.num_requests, rate=FLAGS.rate, prompt_dist=FLAGS.prompt_dist,
-        prompt_min=FLAGS.prompt_min, prompt_max=FLAGS.prompt_max,
-        prompt_median=FLAGS.prompt_median, prompt_sigma=FLAGS.prompt_sigma,
-        output_shape=FLAGS.output_shape, output_scale=FLAGS.output_scale,
-        output_cap=FLAGS.output_cap, max_model_len=FLAGS.max_model_len,
-        kv_tokens=FLAGS.kv_tokens, page_sizes=[int(g) for g in FLAGS.page_sizes],
-        seed=FLAGS.seed, out=FLAGS.out, resume=FLAGS.resume)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS)

@@ -66,7 +66,8 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import ResultLog, markdown_table, plot_path, real_text
+    from experiments.common import ResultLog, markdown_table, plot_path
+    from experiments.workloads import HELD_OUT, consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import PagedLayout, decode_stream
@@ -75,8 +76,8 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
 
     config, model, tokenizer = load("smollm2-135m", "float32")
     steps = DeviceSteps(model)
-    # The last part of the pydoc text: the first part is kept for training drafts (issue 6).
-    ids = tokenizer.encode(real_text(60_000, offset=380_000))[:eval_tokens + 1]
+    # Held-out text (drafts are trained on the first part, issue 6), past the speed prompts.
+    ids = text_ids(tokenizer, 60_000, HELD_OUT + 20_000)[:eval_tokens + 1]
     if len(ids) < eval_tokens + 1:
         raise ValueError(f"only {len(ids)} tokens of evaluation text")
     targets = np.asarray(ids[1:])
@@ -105,10 +106,10 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
                      "eval_tokens": eval_tokens, "chunk": chunk, "page_size": page_size},
                     lambda kv_format=kv_format: quality(kv_format))
 
-    prompts = tokenizer.encode(real_text(20_000, offset=360_000))
+    prompts = text_ids(tokenizer, 20_000, HELD_OUT)
 
     def speed(kv_format: str, b: int) -> dict:
-        batch = [prompts[i * 64:(i + 1) * 64] for i in range(b)]
+        batch = consecutive_prompts(prompts, b, 64)
         params = [SamplingParams(ignore_eos=True)] * b
         layout = PagedLayout(page_size=page_size, kv_format=kv_format)
 
@@ -144,11 +145,9 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
 
 
 def plot(quality: list[dict], speed: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments.common import new_figure, save_figure
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = new_figure(2, figsize=(12, 4.5))
     for r in quality:
         a.scatter(r["bytes_per_token"] / 1024, max(r["kl_vs_float32"], 1e-7))
         a.annotate(f"{r['kv_format']}\n{100 * r['top1_agreement']:.1f}% top-1",
@@ -166,20 +165,9 @@ def plot(quality: list[dict], speed: list[dict], path: str) -> None:
     b.set_ylabel("decode tokens/s")
     b.set_title("decode speed by KV format (CPU, reference backend)")
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    run(formats=FLAGS.formats, eval_tokens=FLAGS.eval_tokens, chunk=FLAGS.chunk,
-        batch_sizes=[int(b) for b in FLAGS.batch_sizes], decode_tokens=FLAGS.decode_tokens,
-        page_size=FLAGS.page_size, out=FLAGS.out, resume=FLAGS.resume)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)

@@ -10,8 +10,6 @@ group of 32), so their real cost is above the ideal bits; both are reported.
 
 from __future__ import annotations
 
-import os
-
 from absl import flags
 
 from experiments.common import define_resume_flag
@@ -141,15 +139,14 @@ def exercise_answers(common: dict) -> str:
 
 def plot_users(rows: list[dict], path: str, ctx: int) -> None:
     """Grouped bars: max users at `ctx` per model, one bar per KV format."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from experiments.common import new_figure, save_figure
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     formats = list(dict.fromkeys(r["format"] for r in rows))
     width = 0.8 / len(formats)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = new_figure(figsize=(8, 4.5))
     x = np.arange(len(models))
     for i, fmt in enumerate(formats):
         users = [next((r[f"max_users_{ctx}"] for r in rows
@@ -166,22 +163,9 @@ def plot_users(rows: list[dict], path: str, ctx: int) -> None:
     ax.set_title(f"KV-cache capacity on {r0['gpus']}×{r0['gpu_memory_gb']:g} GB "
                  f"({r0['weight_dtype']} weights, {r0['overhead_fraction']:.0%} reserve)")
     ax.legend(title="KV format")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu
-    configure_xla_cpu()
-    run(models=FLAGS.models, kv_formats=FLAGS.kv_formats, gpus=FLAGS.gpus,
-        gpu_memory_gb=FLAGS.gpu_memory_gb, weight_dtype=FLAGS.weight_dtype,
-        overhead_fraction=FLAGS.overhead_fraction, contexts=[int(c) for c in FLAGS.contexts],
-        out=FLAGS.out, resume=FLAGS.resume)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS)

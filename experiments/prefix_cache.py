@@ -148,16 +148,17 @@ def system_prompt_workload(tokenizer, *, num_requests: int, system_tokens: int, 
                            max_tokens: int, seed: int) -> list:
     """Requests that share one long system prompt (real text), each with its own question,
     arriving as a Poisson stream."""
-    from experiments.common import real_text
     from experiments.serve import WorkItem
+    from experiments.workloads import poisson_arrivals, text_ids
 
-    text = tokenizer.encode(real_text(40_000, offset=200_000))
+    text = text_ids(tokenizer, 40_000, 200_000)
     system = tokenizer.decode(text[:system_tokens])
     rng = np.random.default_rng(seed)
     questions = [tokenizer.decode(text[o:o + n]) for o, n in
                  zip(rng.integers(system_tokens, len(text) - 64, num_requests),
                      rng.integers(8, 48, num_requests))]
-    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, num_requests - 1))])
+    # The first request opens the run; the others follow a Poisson stream.
+    arrivals = np.concatenate([[0.0], poisson_arrivals(rng, num_requests - 1, rate)])
     return [WorkItem(float(a), tuple(tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "system", "content": system}, {"role": "user", "content": q}]))), max_tokens)
         for a, q in zip(arrivals, questions)]
@@ -181,10 +182,10 @@ def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns
     """Chats where each turn sends the whole conversation so far plus a new question: every
     turn's prompt extends the previous one's, answer included. One row; the questions depend
     only on `seed`, so runs with the cache on and off ask the same."""
-    from experiments.common import real_text
+    from experiments.workloads import text_ids
     from infer.sampling_params import SamplingParams
 
-    text = tokenizer.encode(real_text(40_000, offset=250_000))
+    text = text_ids(tokenizer, 40_000, 250_000)
     rng = np.random.default_rng(seed)
     engine = _engine(model, tokenizer, caching, 2048)
     engine.warmup(progress=True)
@@ -212,11 +213,9 @@ def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments.common import new_figure, save_figure
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = new_figure(3, figsize=(15, 4.2))
     alone = [r for r in rows if r.get("part", "alone") == "alone"]
     if alone:
         axes[0].bar([r["cache"] for r in alone], [100 * r["request_hit_rate"] for r in alone])
@@ -241,8 +240,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(title)
         ax.legend(loc="upper left")
         ax2.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
@@ -328,23 +326,6 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
     return rows
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    pair = lambda values: (int(values[0]), int(values[1]))
-    run(parts=FLAGS.parts, alone_requests=FLAGS.alone_requests,
-        alone_shared_fraction=FLAGS.alone_shared_fraction, alone_prefixes=FLAGS.alone_prefixes,
-        alone_prefix_tokens=pair(FLAGS.alone_prefix_tokens),
-        alone_suffix_tokens=pair(FLAGS.alone_suffix_tokens), alone_page_size=FLAGS.alone_page_size,
-        alone_max_pages=[int(m) for m in FLAGS.alone_max_pages],
-        system_requests=FLAGS.system_requests, system_prompt_tokens=FLAGS.system_prompt_tokens,
-        system_rate=FLAGS.system_rate, chat_conversations=FLAGS.chat_conversations,
-        chat_turns=FLAGS.chat_turns, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
-        out=FLAGS.out, resume=FLAGS.resume)
-
-
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)

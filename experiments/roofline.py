@@ -47,7 +47,6 @@ the JSONL (same name, .png).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -240,7 +239,7 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from experiments.common import ResultLog, markdown_table, measure_ceilings
+    from experiments.common import ResultLog, markdown_table, measure_ceilings, plot_path
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.io.loader import load, resolve_dtype
@@ -336,7 +335,7 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
           f"B={summary['ridge_batch_exact']}; limit as B grows "
           f"{summary['decode_intensity_limit']:.1f} FLOP/B); step time exceeds {knee_factor:g}x "
           f"B={summary['knee_base_batch']}'s first at B={summary['knee_batch']}")
-    plot = os.path.splitext(out)[0] + ".png"
+    plot = plot_path(out)
     plot_roofline(rows, summary, plot)
     print(f"wrote {out} and {plot}")
     return rows + [summary]
@@ -346,18 +345,17 @@ def plot_roofline(rows: list[dict], summary: dict, path: str) -> None:
     """Left: the roofline with decode and prefill points at (intensity, achieved FLOP/s).
     Right: decode step time against batch, with the roofline's prediction, the knee and the
     ridge batch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
     import numpy as np
+
+    from experiments.common import new_figure, save_figure
 
     peak, bw, ridge = summary["matmul_flops"], summary["copy_bandwidth_Bps"], summary["ridge_intensity"]
     ok = [r for r in rows if "error" not in r]
     decode = sorted((r for r in ok if r["phase"] == "decode"), key=lambda r: r["batch"])
     prefill = sorted((r for r in ok if r["phase"] == "prefill"), key=lambda r: r["new_tokens"])
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (ax1, ax2) = new_figure(2, figsize=(13, 5.2))
     xs = [r["intensity"] for r in ok] + [ridge]
     x = np.geomspace(min(xs) / 3, max(xs) * 3, 200)
     ax1.plot(x, np.minimum(peak, x * bw) / 1e9, "k-", lw=1.5,
@@ -413,24 +411,9 @@ def plot_roofline(rows: list[dict], summary: dict, path: str) -> None:
             axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(f"{summary['model']} {summary['dtype']} weights, {summary['kv_dtype']} KV on "
                  f"{summary['backend']} ({summary['device']}); ceilings measured in the same run")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    run(batch_sizes=[int(b) for b in FLAGS.batch_sizes],
-        prefill_lengths=[int(t) for t in FLAGS.prefill_lengths], prefill_batch=FLAGS.prefill_batch,
-        context=FLAGS.context, dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, repeats=FLAGS.repeats,
-        steps_per_sample=FLAGS.steps_per_sample, knee_factor=FLAGS.knee_factor, out=FLAGS.out,
-        resume=FLAGS.resume)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)

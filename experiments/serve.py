@@ -28,6 +28,7 @@ import numpy as np
 from absl import flags
 
 from experiments.common import define_resume_flag
+from experiments.workloads import poisson_pareto, text_ids
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_requests", 64, "requests in the workload", flag_values=FLAGS)
@@ -60,18 +61,17 @@ class WorkItem:
     output_len: int
 
 
-def make_workload(text_ids: Sequence[int], *, num_requests: int, rate: float, prompt_min: int,
+def make_workload(ids: Sequence[int], *, num_requests: int, rate: float, prompt_min: int,
                   prompt_max: int, output_shape: float, output_scale: float, output_cap: int,
                   seed: int) -> list[WorkItem]:
     """Poisson arrivals; prompts are slices of real text; outputs Pareto(shape, scale), capped."""
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, num_requests))
+    arrivals, lengths, outputs = poisson_pareto(
+        rng, num_requests=num_requests, rate=rate, prompt_min=prompt_min, prompt_max=prompt_max,
+        output_shape=output_shape, output_scale=output_scale, output_cap=output_cap)
     arrivals -= arrivals[0]  # the first request opens the run
-    lengths = rng.integers(prompt_min, prompt_max + 1, num_requests)
-    outputs = np.minimum(np.floor(output_scale * (1 + rng.pareto(output_shape, num_requests))),
-                         output_cap).astype(int)
-    starts = rng.integers(0, len(text_ids) - prompt_max, num_requests)
-    return [WorkItem(float(a), tuple(int(t) for t in text_ids[s:s + n]), int(o))
+    starts = rng.integers(0, len(ids) - prompt_max, num_requests)
+    return [WorkItem(float(a), tuple(int(t) for t in ids[s:s + n]), int(o))
             for a, s, n, o in zip(arrivals, starts, lengths, outputs)]
 
 
@@ -205,7 +205,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
     them (each appended the moment it is measured; with `resume`, ones already there are kept
     and not measured again)."""
-    from experiments.common import ResultLog, load_hf_smollm2, plot_path, real_text, usable_peers
+    from experiments.common import ResultLog, load_hf_smollm2, plot_path, usable_peers
 
     peers = usable_peers(peers, "serve")  # before any work: a missing package is one line
     log = ResultLog(out, resume=resume)
@@ -215,9 +215,8 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     from infer.io.loader import load
 
     config, model, tokenizer = load("smollm2-135m", dtype)
-    text_ids = tokenizer.encode(real_text(400_000))
-    work = make_workload(text_ids, num_requests=num_requests, rate=rate, prompt_min=prompt_min,
-                         prompt_max=prompt_max, output_shape=output_shape,
+    work = make_workload(text_ids(tokenizer, 400_000), num_requests=num_requests, rate=rate,
+                         prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                          output_scale=output_scale, output_cap=output_cap, seed=seed)
     print(f"{len(work)} requests over {work[-1].arrival_s:.1f} s; prompts "
           f"{np.mean([len(w.prompt_ids) for w in work]):.0f} tokens on average, outputs "
@@ -295,11 +294,9 @@ def report(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str, max_num_seqs: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments.common import new_figure, save_figure
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = new_figure(3, figsize=(16, 4.5))
     for r in rows:
         if "timeline" not in r:
             continue
@@ -326,25 +323,9 @@ def plot(rows: list[dict], path: str, max_num_seqs: int) -> None:
     axes[2].legend()
     for ax in axes[1:]:
         ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    run(num_requests=FLAGS.num_requests, rate=FLAGS.rate, prompt_min=FLAGS.prompt_min,
-        prompt_max=FLAGS.prompt_max, output_shape=FLAGS.output_shape,
-        output_scale=FLAGS.output_scale, output_cap=FLAGS.output_cap,
-        max_num_seqs=FLAGS.max_num_seqs, max_prefill_tokens=FLAGS.max_prefill_tokens,
-        max_model_len=FLAGS.max_model_len, dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
-        policies=FLAGS.policies, peers=FLAGS.peers, seed=FLAGS.seed, out=FLAGS.out,
-        resume=FLAGS.resume)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)

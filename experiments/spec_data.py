@@ -21,12 +21,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING
 
 from absl import flags
-
-if TYPE_CHECKING:
-    import numpy as np
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_sequences", 256, "sequences to generate", flag_values=FLAGS)
@@ -40,46 +36,6 @@ flags.DEFINE_integer("batch_size", 16, "rows generated together", flag_values=FL
 flags.DEFINE_integer("seed", 0, "seed of the prompt choice and of the sampled rows", flag_values=FLAGS)
 flags.DEFINE_string("out", ".cache/spec_data/smollm2.npz", "output .npz", flag_values=FLAGS)
 
-TRAIN_CHARS = 300_000  # real_text[:TRAIN_CHARS] is training text; >= 360_000 is held out
-INSTRUCTIONS = (
-    "Summarize the following text.",
-    "Explain the following in simple terms.",
-    "Continue the following text.",
-    "What is this text about?",
-    "Rewrite the following more clearly.",
-    "Give a short Python example related to this text.",
-    "List the key points of this text.",
-    "Explain:",
-    "Summarize:",
-    "Continue:",
-)
-
-
-def build_prompts(tokenizer, num_sequences: int, prompt_len: int, chat_fraction: float,
-                  rng) -> tuple[list[list[int]], list[bool]]:
-    """Prompt token ids and whether each is chat-formatted, from snippets of the training text."""
-    from experiments.common import real_text
-
-    text = real_text(TRAIN_CHARS)
-    chunk = prompt_len * 8  # characters that surely hold prompt_len tokens
-    prompts, chat = [], []
-    for _ in range(num_sequences):
-        start = int(rng.integers(0, TRAIN_CHARS - chunk))
-        space = text.find(" ", start, start + 64)  # start at a word
-        start = start if space < 0 else space + 1
-        ids = tokenizer.encode(text[start:start + chunk], add_bos=False)[:prompt_len]
-        if rng.random() < chat_fraction:
-            instruction = INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]
-            message = f"{instruction}\n\n{tokenizer.decode(ids)}"
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}])
-            prompts.append(tokenizer.encode(rendered, add_bos=False))
-            chat.append(True)
-        else:
-            prompts.append(list(ids))
-            chat.append(False)
-    return prompts, chat
-
-
 def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: int,
                            temperature: float, seed: int, out_path: str, batch_size: int = 16,
                            greedy_fraction: float = 0.5, chat_fraction: float = 0.5) -> dict:
@@ -89,6 +45,7 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
     import numpy as np
     from tqdm import tqdm
 
+    from experiments.workloads import TRAIN_CHARS, training_prompts
     from infer.cache.contiguous import KVCache
     from infer.cache.metadata import AttentionMetadata
     from infer.engine.device_steps import DeviceSteps
@@ -100,7 +57,7 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
     config, model, tokenizer = load("smollm2-135m", "float32")
     steps = DeviceSteps(model)
     rng = np.random.default_rng(seed)
-    prompts, chat = build_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
+    prompts, chat = training_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
     greedy = rng.random(num_sequences) < greedy_fraction
     eos = set(tokenizer.eos_ids)
     width = max(len(p) for p in prompts) + new_tokens
@@ -182,95 +139,6 @@ def load_training_data(path: str) -> dict:
     return data
 
 
-def split_heldout(num_sequences: int, fraction: float = 0.1, seed: int = 0):
-    """(train indices, held-out indices): a fixed random `fraction` of sequences held out."""
-    import numpy as np
-
-    order = np.random.default_rng(seed).permutation(num_sequences)
-    n_held = max(1, int(round(num_sequences * fraction)))
-    return np.sort(order[n_held:]), np.sort(order[:n_held])
-
-
-# -- shared by train_eagle and train_draft ---------------------------------------------------
-
-def batches(data: dict, indices, batch_size: int, rng=None):
-    """Yields (tokens [B, L], hidden [B, L, E] float16, lengths [B], prompt_lens [B]) over
-    `indices` (shuffled when rng is given), every batch of `batch_size` rows: the last one padded
-    with empty rows (length 0), which every loss masks out, so a single shape is ever compiled."""
-    import numpy as np
-
-    order = np.array(indices) if rng is None else rng.permutation(indices)
-    for lo in range(0, len(order), batch_size):
-        rows = order[lo:lo + batch_size]
-        pad = batch_size - len(rows)
-        out = [data[k][rows] for k in ("tokens", "hidden", "lengths", "prompt_lens")]
-        if pad:
-            out = [np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in out]
-        yield tuple(out)
-
-
-def generated_mask(prompt_lens, num_positions: int, offset: int):
-    """[B, T] float: row t's prediction is of token t + offset, which the target generated (not
-    part of the prompt). offset 1 for a draft model at position t, 2 for the EAGLE head."""
-    import jax.numpy as jnp
-
-    t = jnp.arange(num_positions)[None, :] + offset
-    return (t >= prompt_lens[:, None]).astype(jnp.float32)
-
-
-def training_split(path: str, max_sequences: int) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(dataset, train indices, held-out indices) of the file at `path`: 10% of its first
-    `max_sequences` sequences (all when <= 0) held out, the same ones every run."""
-    dataset = load_training_data(path)
-    n = len(dataset["lengths"])
-    train_idx, held_idx = split_heldout(n if max_sequences <= 0 else min(max_sequences, n), 0.1)
-    return dataset, train_idx, held_idx
-
-
-def make_optimizer(*, lr: float, total_steps: int, warmup_steps: int, weight_decay: float,
-                   clip: float):
-    """AdamW (matrices decayed, norm scales not) with linear warmup then cosine decay to 5% of
-    `lr`, after clipping the gradients' global norm to `clip`."""
-    import jax
-    import optax
-
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, max(1, min(warmup_steps, total_steps - 1)), max(total_steps, 2), lr * 0.05)
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
-                                   mask=decay_mask)), schedule
-
-
-class MetricMeans:
-    """Averages of per-batch mean metrics, weighted by each batch's `count` of positions."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.count = 0.0
-
-    def add(self, metrics: dict) -> None:
-        n = float(metrics["count"])
-        for k, v in metrics.items():
-            if k != "count" and getattr(v, "ndim", 0) == 0:
-                self.sums[k] = self.sums.get(k, 0.0) + float(v) * n
-        self.count += n
-
-    def means(self) -> dict[str, float]:
-        return {k: v / max(self.count, 1.0) for k, v in self.sums.items()}
-
-
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu
-    configure_xla_cpu()
-    generate_training_data(num_sequences=FLAGS.num_sequences, prompt_len=FLAGS.prompt_len,
-                           new_tokens=FLAGS.new_tokens, temperature=FLAGS.temperature,
-                           seed=FLAGS.seed, out_path=FLAGS.out, batch_size=FLAGS.batch_size,
-                           greedy_fraction=FLAGS.greedy_fraction,
-                           chat_fraction=FLAGS.chat_fraction)
-
-
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(generate_training_data, FLAGS, args=lambda f: {"out_path": f.out})

@@ -18,7 +18,7 @@ copy); the model drafts (draft, self_draft, eagle) get chat prompts. Snippets co
 `real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
 file is missing is skipped with a note.
 
-Part `tree`: `infer.tree_speculation.eagle_generate` at batch 1, the EAGLE head expanded as a
+Part `tree`: `infer.spec.tree.tree_generate` at batch 1, the EAGLE head expanded as a
 tree (2 x 3: 14 candidates) or as a chain of the same depth, against plain decoding over the
 same contiguous cache.
 
@@ -50,6 +50,7 @@ from typing import Any, Sequence
 from absl import flags
 
 from experiments.common import define_resume_flag
+from experiments.workloads import build_prompts  # the prompts of both parts
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
@@ -82,66 +83,7 @@ flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plo
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
 
-HELD_OUT = 360_000  # real_text before this is draft training text
-GROUNDED = (
-    "Summarize the following text.\n\n{text}",
-    "Rewrite the following text in plain, simple words.\n\n{text}",
-    "Repeat the following text exactly, but change its first sentence:\n\n{text}",
-)
-CHAT = (
-    "Explain the following in simple terms.\n\n{text}",
-    "What is this text about? Answer in a few sentences.\n\n{text}",
-    "What are the benefits of regular exercise?",
-    "Write a short story about a robot who learns to paint.",
-    "How do I make a good cup of tea?",
-    "Give me three tips for learning a new language.",
-    "Why is the sky blue?",
-    "Describe a typical day of a software engineer.",
-)
 WEIGHT_PATHS = {"draft": "draft_path", "eagle": "eagle_path"}  # SpeculativeConfig fields
-
-
-# -- prompts ---------------------------------------------------------------------------------
-
-def held_out_paragraphs(count: int, min_chars: int = 200, max_chars: int = 500,
-                        skip: int = 0) -> list[str]:
-    """Prose paragraphs (no tables or code listings) of the held-out text, in order, the first
-    `skip` left out; each cut to `max_chars` at a sentence end where possible."""
-    from pydoc_data.topics import topics
-
-    from experiments.common import real_text
-
-    total = len("\n\n".join(topics[k] for k in sorted(topics)))
-    text = real_text(total - HELD_OUT, offset=HELD_OUT)
-    out = []
-    for para in text.split("\n\n"):
-        para = " ".join(para.split())
-        letters = sum(ch.isalpha() or ch.isspace() for ch in para)
-        if len(para) < min_chars or letters < 0.9 * len(para) or "+--" in para:
-            continue
-        if len(para) > max_chars:
-            cut = para[:max_chars]
-            para = cut[:cut.rfind(". ") + 1] if ". " in cut else cut
-        out.append(para)
-    out = out[skip:skip + count]
-    if len(out) < count:
-        raise ValueError(f"only {len(out)} held-out paragraphs; asked for {count}")
-    return out
-
-
-def build_prompts(tokenizer, kind: str, count: int, max_chars: int) -> list[list[int]]:
-    """Chat-formatted prompt token ids: `grounded` (instructions over held-out snippets, for
-    n-gram lookup) or `chat` (questions, some about other held-out snippets)."""
-    if kind == "grounded":
-        texts = [GROUNDED[i % len(GROUNDED)].format(text=p)
-                 for i, p in enumerate(held_out_paragraphs(count, max_chars=max_chars))]
-    elif kind == "chat":
-        snippets = held_out_paragraphs(count, max_chars=max_chars, skip=count)
-        texts = [CHAT[i % len(CHAT)].format(text=snippets[i]) for i in range(count)]
-    else:
-        raise ValueError(f"unknown prompt kind {kind!r}")
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
-            for t in texts]
 
 
 # -- the cost model --------------------------------------------------------------------------
@@ -446,9 +388,11 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
     import jax
     import numpy as np
 
+    from infer.sampling_params import SamplingParams
+
     draft_s, verify_s = [], []
     for _ in range(repeats + 1):  # the first round compiles
-        state = spec.prefill(prompt)
+        state = spec.prefill(prompt, SamplingParams(temperature=temperature, seed=0))
         jax.block_until_ready(state)
         start = time.perf_counter()
         tokens, head_cache = spec.draft(state)
@@ -456,7 +400,7 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
         draft_s.append(time.perf_counter() - start)
         state = dc.replace(state, head_cache=head_cache)
         start = time.perf_counter()
-        jax.block_until_ready(spec.verify(state, tokens, temperature))
+        jax.block_until_ready(spec.verify(state, tokens))
         verify_s.append(time.perf_counter() - start)
     return {"draft_s": float(np.median(draft_s[1:])), "verify_s": float(np.median(verify_s[1:]))}
 
@@ -473,9 +417,12 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from flax import nnx
     from tqdm import tqdm
 
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.simple_loop import generate
+    from infer.sampling_params import SamplingParams
     from infer.spec.config import SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
-    from infer.spec.tree import PlainGenerator, TreeSpeculator
+    from infer.spec.tree import TreeSpeculator, tree_generate
 
     config, model, tokenizer = loaded
     path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
@@ -495,8 +442,9 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + branches ** (depth + 1) + 2) // 128)
     shapes = [("tree", branches, depth), ("chain", 1, depth)]
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
-    specs = functools.cache(lambda b, d: TreeSpeculator(model, head, b, d, max_len))
-    plain = functools.cache(lambda: PlainGenerator(model, max_len))
+    # The baseline and the speculators run the target on one DeviceSteps: bound once.
+    plain = functools.cache(lambda: DeviceSteps(model))
+    specs = functools.cache(lambda b, d: TreeSpeculator(plain(), head, b, d, max_len))
     eos = tokenizer.eos_ids if tokenizer is not None else ()
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
 
@@ -513,8 +461,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
         return outs, totals
 
     def measure_plain(t: float) -> dict:
-        base_out, base = run_all(lambda p, s: plain().generate(
-            p, max_tokens, temperature=t, seed=s, eos_ids=eos))
+        base_out, base = run_all(lambda p, s: generate(
+            plain(), p, max_tokens, SamplingParams(temperature=t, seed=s), eos_ids=eos))
         base_tokens = sum(len(o) - 1 for o in base_out)
         # The token ids stay in the row: a resumed tree point compares its output against them.
         return {"decode_tokens": base_tokens, "decode_tok_s": base_tokens / base["decode_s"],
@@ -524,8 +472,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     def measure_tree(b: int, d: int, t: float, base: dict) -> dict:
         spec = specs(b, d)
         base_tok_s, step_s = base["decode_tok_s"], base["decode_step_s"]
-        outs, tot = run_all(lambda p, s: spec.generate(p, max_tokens, temperature=t, seed=s,
-                                                       eos_ids=eos))
+        outs, tot = run_all(lambda p, s: tree_generate(
+            spec, p, max_tokens, SamplingParams(temperature=t, seed=s), eos_ids=eos))
         pieces = time_tree_pieces(spec, prompts[0], t)
         tokens = sum(len(o) - 1 for o in outs)
         steps, accepted = tot["verify_steps"], tot["accepted"]
@@ -582,15 +530,15 @@ COLUMNS = [("method", "method"), ("prompts", "prompts"), ("k", "k"), ("temperatu
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from experiments.common import new_figure, save_figure
 
     engine = [r for r in rows if r["part"] == "engine" and r["method"] != "none"]
     tree = [r for r in rows if r["part"] == "tree" and r["method"] != "none"]
     batches = sorted({r["batch"] for r in engine}) or [1]
-    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5.5 * (len(batches) + 1), 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = new_figure(len(batches) + 1, figsize=(5.5 * (len(batches) + 1), 4.5))
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     methods = sorted({r["method"] for r in engine})
     color = {m: colors[i % len(colors)] for i, m in enumerate(methods + ["eagle_tree"])}
     styles = {}
@@ -643,9 +591,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_ylabel("tokens emitted per verify step")
     ax.set_title("accepted + 1 per verify step vs the cost model")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: list[float],
@@ -686,24 +632,12 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
     return rows
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu, enable_compilation_cache
-    configure_xla_cpu()
-    enable_compilation_cache()
-    f = FLAGS
-    quick = f.quick
-    run(parts=f.parts, methods=f.methods,
-        ks=[1, 2] if quick else [int(k) for k in f.ks],
-        temperatures=[0.0] if quick else [float(t) for t in f.temperatures],
-        batch_sizes=[1, 2] if quick else [int(b) for b in f.batch_sizes],
-        num_prompts=2 if quick else f.num_prompts, max_tokens=16 if quick else f.max_tokens,
-        snippet_chars=200 if quick else f.snippet_chars, warmup=f.warmup,
-        tree_branches=f.tree_branches, tree_depth=f.tree_depth,
-        tree_prompts=1 if quick else f.tree_prompts, random_head=f.random_head or quick,
-        seed=f.seed, out=f.out, resume=f.resume)
+def quick_args(f) -> dict[str, Any]:
+    """--quick: the smoke run's settings in place of the flags'."""
+    return dict(ks=[1, 2], temperatures=[0.0], batch_sizes=[1, 2], num_prompts=2, max_tokens=16,
+                snippet_chars=200, tree_prompts=1, random_head=True) if f.quick else {}
 
 
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True, args=quick_args)

@@ -23,26 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 
 from absl import flags
 
+from experiments.training import define_trainer_flags
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-flags.DEFINE_string("data", ".cache/spec_data/smollm2.npz", "spec_data output", flag_values=FLAGS)
-flags.DEFINE_integer("epochs", 4, "passes over the training sequences", flag_values=FLAGS)
-flags.DEFINE_integer("batch_size", 8, "sequences per step", flag_values=FLAGS)
-flags.DEFINE_float("lr", 1e-3, "peak learning rate", flag_values=FLAGS)
-flags.DEFINE_float("warmup", 0.05, "fraction of steps of linear warmup", flag_values=FLAGS)
-flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay (matrices)", flag_values=FLAGS)
-flags.DEFINE_float("clip", 0.5, "gradient global-norm clip", flag_values=FLAGS)
+define_trainer_flags(FLAGS, epochs=4, lr=1e-3, clip=0.5)
 flags.DEFINE_float("cls_weight", 0.5, "weight w of the cross-entropy term", flag_values=FLAGS)
 flags.DEFINE_float("step2_weight", 0.5, "weight of the draft-time second pass (0: off)",
                    flag_values=FLAGS)
 flags.DEFINE_float("noise", 0.0, "uniform noise amplitude added to input features",
                    flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "initialization, shuffling and noise seed", flag_values=FLAGS)
-flags.DEFINE_integer("max_sequences", 0, "use only this many sequences (0: all)", flag_values=FLAGS)
 flags.DEFINE_string("weights", "weights/eagle_smollm2.safetensors", "output weights",
                     flag_values=FLAGS)
 flags.DEFINE_string("init", "", "continue training from these weights (empty: random init)",
@@ -108,9 +102,9 @@ def losses(head, target, hidden, tokens, lengths, *, cls_weight, step2_weight, n
     # Second drafted token: row i reads (ĥ_{i+1}, x_{i+2}) at position i + 1.
     b, t = predicted.shape[:2]
     feats = jax.lax.stop_gradient(predicted[:, :-1])
-    meta = AttentionMetadata(positions=jnp.broadcast_to(jnp.arange(1, t, dtype=jnp.int32), (b, t - 1)),
-                             lengths=jnp.full((b,), t - 1, jnp.int32),
-                             q_lens=jnp.full((b,), t - 1, jnp.int32))
+    # Query i sits in slot i of its own keys, at position i + 1.
+    meta = AttentionMetadata.for_tree(jnp.zeros((b,), jnp.int32), jnp.full((b,), t - 1),
+                                      jnp.arange(1, t), tree_mask=None)
     cache2 = step_two_cache_class()(real_k=cache.k[0], real_v=cache.v[0])
     predicted2, _ = head(feats, tokens[:, 2:], target.embed, cache2, meta)
     loss2, m2 = feature_loss(target, predicted2, wanted[:, 1:], mask[:, 1:], cls_weight,
@@ -125,29 +119,18 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
         max_sequences: int, weights: str, out: str, init: str = "") -> list[dict]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
     from flax import nnx
-    from tqdm import tqdm
 
     from experiments.common import ResultLog, markdown_table
-    from experiments.spec_data import (
-        MetricMeans,
-        batches,
-        generated_mask,
-        make_optimizer,
-        training_split,
-    )
+    from experiments.training import Trainer, generated_mask, print_curve
     from infer.io.loader import load
     from infer.spec.eagle_head import EagleHead, load_eagle, save_eagle
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
-    dataset, train_idx, held_idx = training_split(data, max_sequences)
-    steps_per_epoch = math.ceil(len(train_idx) / batch_size)
-    total = steps_per_epoch * epochs
-    opt, schedule = make_optimizer(lr=lr, total_steps=total, warmup_steps=int(warmup * total),
-                                   weight_decay=weight_decay, clip=clip)
+    trainer = Trainer(data=data, max_sequences=max_sequences, batch_size=batch_size,
+                      epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay, clip=clip,
+                      seed=seed)
 
     if init:
         head = load_eagle(config, init)  # float32 master weights from the saved bfloat16
@@ -157,25 +140,21 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
         head.norm.weight.set_value(target.norm.weight.get_value())
     graphdef, params = nnx.split(head)
     tgraph, tstate = nnx.split(target)
-    opt_state = opt.init(params)
+    opt_state = trainer.opt.init(params)
     print(f"EAGLE head: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M parameters; "
-          f"{len(train_idx)} training / {len(held_idx)} held-out sequences of <= "
-          f"{dataset['tokens'].shape[1]} tokens; {total} steps")
+          f"{len(trainer.train_idx)} training / {len(trainer.held_idx)} held-out sequences of <= "
+          f"{trainer.dataset['tokens'].shape[1]} tokens; {trainer.total_steps} steps")
 
     def batch_losses(params, tstate, tokens, hidden, lengths, key, with_step2):
         return losses(nnx.merge(graphdef, params), nnx.merge(tgraph, tstate), hidden, tokens,
                       lengths, cls_weight=cls_weight, step2_weight=step2_weight,
                       noise=noise if key is not None else 0.0, key=key, with_step2=with_step2)
 
-    @jax.jit
-    def train_step(params, opt_state, tstate, tokens, hidden, lengths, key):
-        def loss_fn(p):
-            loss, m1, m2 = batch_losses(p, tstate, tokens, hidden, lengths, key, step2_weight > 0)
-            return loss, (m1, m2)
-        (loss, (m1, m2)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        m1 = {k: v for k, v in m1.items() if k not in ("hit", "target_logits")}
-        return optax.apply_updates(params, updates), opt_state, loss, m1, optax.global_norm(grads)
+    def train_loss(p, tstate, tokens, hidden, lengths, key):
+        loss, m1, _ = batch_losses(p, tstate, tokens, hidden, lengths, key, step2_weight > 0)
+        return loss, m1
+
+    train_step = trainer.train_step(train_loss, drop=("hit", "target_logits"))
 
     @jax.jit
     def eval_step(params, tstate, tokens, hidden, lengths, prompt_lens):
@@ -190,12 +169,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
         return drop(m1), drop(m2), m_gen
 
     def evaluate(params) -> dict:
-        first, second, gen = MetricMeans(), MetricMeans(), MetricMeans()
-        for tokens, hidden, lengths, prompt_lens in batches(dataset, held_idx, batch_size):
-            m1, m2, m_gen = eval_step(params, tstate, tokens, hidden, lengths, prompt_lens)
-            first.add(m1)
-            second.add(m2)
-            gen.add(m_gen)
+        first, second, gen = trainer.heldout(eval_step, params, tstate)
         m1, m2, mg = first.means(), second.means(), gen.means()
         return {"heldout_loss": m1["loss"], "heldout_reg": m1["reg"], "heldout_ce": m1["ce"],
                 "heldout_top1": m1["top1"], "heldout_top1_step2": m2["top1"],
@@ -204,41 +178,30 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                 "heldout_positions": first.count, "heldout_generated_positions": gen.count}
 
     log = ResultLog(out)
-    settings = dict(data=data, epochs=epochs, batch_size=batch_size, lr=lr, warmup=warmup,
-                    weight_decay=weight_decay, clip=clip, cls_weight=cls_weight,
-                    step2_weight=step2_weight, noise=noise, seed=seed, init=init,
-                    train_sequences=len(train_idx), heldout_sequences=len(held_idx),
-                    data_meta=dataset["meta"])
+    settings = trainer.row_settings(cls_weight=cls_weight, step2_weight=step2_weight,
+                                    noise=noise, seed=seed, init=init)
     rows = [{"experiment": "train_eagle", "epoch": 0, "step": 0, **evaluate(params),
              "seconds": time.perf_counter() - start, **settings}]
     log.append(rows[-1])
     print(f"epoch 0 ({init or 'random init'}): held-out top-1 {rows[-1]['heldout_top1']:.3f}")
-    rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
-    step, curve = 0, []
-    for epoch in range(1, epochs + 1):
-        train = MetricMeans()
-        bar = tqdm(batches(dataset, train_idx, batch_size, rng), total=steps_per_epoch,
-                   desc=f"epoch {epoch}/{epochs}")
-        for tokens, hidden, lengths, _ in bar:
-            params, opt_state, loss, m1, gnorm = train_step(
-                params, opt_state, tstate, tokens, hidden, lengths, jax.random.fold_in(key, step))
-            train.add(m1)
-            step += 1
-            curve.append(float(loss))
-            bar.set_postfix(loss=f"{float(loss):.3f}", top1=f"{float(m1['top1']):.3f}",
-                            gnorm=f"{float(gnorm):.2f}")
-        means = train.means()
+
+    def epoch_done(epoch: int, step: int, means: dict, params) -> None:
         row = {"experiment": "train_eagle", "epoch": epoch, "step": step,
                "train_loss": means["loss"], "train_reg": means["reg"], "train_ce": means["ce"],
-               "train_top1": means["top1"], "lr": float(schedule(step)), **evaluate(params),
-               "seconds": time.perf_counter() - start, **settings}
+               "train_top1": means["top1"], "lr": float(trainer.schedule(step)),
+               **evaluate(params), "seconds": time.perf_counter() - start, **settings}
         log.append(row)
         rows.append(row)
         print(f"epoch {epoch}: train loss {row['train_loss']:.4f} (reg {row['train_reg']:.4f}, "
               f"ce {row['train_ce']:.3f}); held-out top-1 {row['heldout_top1']:.3f} "
               f"(generated text {row['heldout_top1_generated']:.3f}), 2nd token "
               f"{row['heldout_top1_step2']:.3f}, both {row['heldout_top1_both']:.3f}")
+
+    params, curve = trainer.fit(
+        train_step, params, opt_state, epoch_done=epoch_done,
+        args=lambda tokens, hidden, lengths, step: (tstate, tokens, hidden, lengths,
+                                                    jax.random.fold_in(key, step)))
 
     size = save_eagle(nnx.merge(graphdef, params), weights)
     # The file must load back and give the held-out numbers (up to bfloat16 weights).
@@ -252,9 +215,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                   "weights_bytes": size, "reloaded_heldout_top1": check["heldout_top1"],
                   "reloaded_heldout_top1_both": check["heldout_top1_both"],
                   "seconds": time.perf_counter() - start})
-    print("loss curve (mean per tenth of training):")
-    tenth = max(1, len(curve) // 10)
-    print("  " + " ".join(f"{np.mean(curve[i:i + tenth]):.3f}" for i in range(0, len(curve), tenth)))
+    print_curve(curve, "loss")
     print(markdown_table(rows, [("epoch", "epoch"), ("train_loss", "train loss"),
                                 ("heldout_loss", "held-out loss"), ("heldout_top1", "top-1"),
                                 ("heldout_top1_generated", "top-1 (generated)"),
@@ -263,17 +224,6 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     return rows
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    from infer.platform import configure_xla_cpu
-    configure_xla_cpu()
-    run(data=FLAGS.data, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size, lr=FLAGS.lr,
-        warmup=FLAGS.warmup, weight_decay=FLAGS.weight_decay, clip=FLAGS.clip,
-        cls_weight=FLAGS.cls_weight, step2_weight=FLAGS.step2_weight, noise=FLAGS.noise,
-        seed=FLAGS.seed, max_sequences=FLAGS.max_sequences, weights=FLAGS.weights, init=FLAGS.init,
-        out=FLAGS.out)
-
-
 if __name__ == "__main__":
-    from experiments.common import run_experiment
-    run_experiment(main, FLAGS)
+    from experiments.common import run_main
+    run_main(run, FLAGS)

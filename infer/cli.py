@@ -1,6 +1,6 @@
 """Command line: generate text from one prompt and print the measured speed.
 
-  python -m infer.generate --model=smollm2-135m --prompt="Tell me about Paris" --chat
+  python -m infer.cli --model=smollm2-135m --prompt="Tell me about Paris" --chat
 """
 
 from __future__ import annotations

@@ -1,9 +1,25 @@
-"""Sampling parameters, validated on the host, applied on device as per-row arrays.
+"""Sampling on device: parameters as per-row arrays, the one warp of the logits, the one draw, and
+every PRNG key rule.
 
-Temperature, top-k, top-p and the PRNG key are arrays with one row per sequence, so a batch
-mixes greedy and sampled requests and changing a value never recompiles. Each row draws with
-`fold_in(key(seed), step)`: the tokens of a request depend on its seed and its own step count
-only, never on what else shares the batch.
+Temperature, top-k, top-p and the seed are arrays with one row per sequence, so a batch mixes
+greedy and sampled requests and changing a value never recompiles. Every key is derived from a
+row's seed and its `sample_index` (the tokens sampled for the request so far) by a rule of
+this module, so a request's randomness depends on its seed and its own progress only, never on
+what else shares the batch, and the streams of different uses never share a key:
+
+  stream        key of row b                                        used for
+  ------------  --------------------------------------------------  ------------------------------
+  token         fold_in(key(seed), sample_index)                    `sample`: plain decoding's
+                                                                    token `sample_index`
+  draft         fold_in(fold_in(key(seed ^ DRAFT_SALT),             a proposer's draft `draft` in
+                        sample_index), draft)                       the step that emits token
+                                                                    `sample_index` first
+  verify        fold_in(fold_in(key(seed), sample_index),           the verifier's draw (chain or
+                        VERIFY_SALT)                                tree) in that step
+
+The token stream is the one plain sampling has always used: changing it would change every
+seeded output. The verify stream folds a salt into the token key of the same index, and the
+draft stream starts from a salted seed, so neither ever equals a token key of the same request.
 """
 
 from __future__ import annotations
@@ -75,19 +91,65 @@ def _truncate(scaled: jax.Array, sampling: SamplingArrays) -> jax.Array:
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
 
 
-def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
-    """One PRNG key per row, from the row's seed and its step index."""
-    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+def sampling_probs(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """Each row's sampling distribution, softmax(warp_logits), for logits [B, V] or [B, T, V]
+    (every position of a row warped with the row's parameters): a verifier's target p."""
+    if logits.ndim == 2:
+        return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
+    b, t, v = logits.shape
+    rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
+    return jax.nn.softmax(warp_logits(logits.reshape(b * t, v), rows), axis=-1).reshape(b, t, v)
 
 
-def sample(logits: jax.Array, sampling: SamplingArrays, steps: jax.Array) -> jax.Array:
-    """Logits [B, V] -> tokens [B] int32; `steps` [B] is each row's count of tokens drawn so far."""
+def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_probs: bool = False
+         ) -> tuple[jax.Array, jax.Array | None]:
+    """Tokens [B] int32 from logits [B, V]: the argmax for greedy rows, a draw with `keys` [B]
+    from the row's warped distribution otherwise. With `with_probs` (static), also that
+    distribution [B, V] (a proposer hands it to the verifier as q; a greedy row's is unused),
+    else None.
+
+    Without `with_probs`, a batch whose rows are all greedy skips the warp and the draw at run
+    time (`lax.cond`): this is the timed decode step's sampler, and greedy is its common case."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def draw(logits: jax.Array) -> jax.Array:
+    def sampled(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         warped = warp_logits(logits, sampling)
-        keys = row_keys(sampling.seeds, steps)
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, warped)
-        return jnp.where(sampling.temperature > 0, drawn.astype(jnp.int32), greedy)
+        drawn = jax.vmap(jax.random.categorical)(keys, warped).astype(jnp.int32)
+        return jnp.where(sampling.temperature > 0, drawn, greedy), warped
 
-    return jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy, logits)
+    if with_probs:
+        tokens, warped = sampled(logits)
+        return tokens, jax.nn.softmax(warped, axis=-1)
+    tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), lambda x: sampled(x)[0],
+                          lambda _: greedy, logits)
+    return tokens, None
+
+
+def sample(logits: jax.Array, sampling: SamplingArrays, sample_index: jax.Array) -> jax.Array:
+    """Logits [B, V] -> tokens [B] int32 from the token stream; `sample_index` [B] is each row's
+    count of tokens sampled so far."""
+    return draw(logits, sampling, token_keys(sampling.seeds, sample_index))[0]
+
+
+# -- the key rules (see the table above) -------------------------------------------------------
+
+DRAFT_SALT = 0xD4AF7  # xor-ed into the seed: the draft stream's own root key
+VERIFY_SALT = 0x5EC  # folded into the token key of the step's first emitted index
+
+
+def token_keys(seeds: jax.Array, sample_index: jax.Array) -> jax.Array:
+    """Keys [B] of the token stream: row b's token number sample_index[b]."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, sample_index)
+
+
+def draft_keys(seeds: jax.Array, sample_index: jax.Array, draft: int | jax.Array) -> jax.Array:
+    """Keys [B] of the draft stream: draft number `draft` (0-based) of the step whose first
+    emitted token is row b's sample_index[b]."""
+    rows = token_keys(seeds ^ jnp.uint32(DRAFT_SALT), sample_index)
+    return jax.vmap(jax.random.fold_in, (0, None))(rows, draft)
+
+
+def verify_keys(seeds: jax.Array, sample_index: jax.Array) -> jax.Array:
+    """Keys [B] of the verify stream: the verifier's one draw in the step whose first emitted
+    token is row b's sample_index[b]."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, VERIFY_SALT))(token_keys(seeds, sample_index))

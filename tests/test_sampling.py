@@ -1,4 +1,5 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-row seeds, and no recompiles."""
+"""The sampler: greedy, temperature, top-k, top-p, per-row seeds, no recompiles, and the key
+streams (the token stream pinned, the draft and verify streams apart from it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.sampling import SamplingArrays, sample, warp_logits
+from infer.sampling import (SamplingArrays, draft_keys, draw, sample, sampling_probs, token_keys,
+                            verify_keys, warp_logits)
 from infer.sampling_params import SamplingParams
 
 V = 12
@@ -143,3 +145,59 @@ def test_arrays_refuse_an_unresolved_seed() -> None:
         SamplingArrays.from_params([SamplingParams(seed=1), SamplingParams(temperature=0.5)])
     padded = SamplingArrays.from_params([SamplingParams(seed=7)], batch=3)  # padding is seeded
     assert np.asarray(padded.seeds).tolist() == [7, 0, 0]
+
+
+def test_the_token_stream_is_pinned() -> None:
+    """Seeded outputs of plain sampling are reproducible across versions of infer: these draws
+    were made before the key rules moved into one module (fold_in(key(seed), sample_index), a
+    categorical over the warped logits). A change here changes every seeded output."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((6, 40)), jnp.float32)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s) for t, k, p, s in
+              [(1.0, 0, 1.0, 1), (0.7, 5, 1.0, 2), (1.3, 0, 0.8, 3), (0.0, 0, 1.0, 4),
+               (1.0, 3, 0.9, 2**32 - 1), (2.0, 0, 1.0, 0)]]
+    index = jnp.asarray([0, 1, 7, 3, 100, 12345], jnp.int32)
+    got = sample_jit(logits, SamplingArrays.from_params(params), index)
+    assert np.asarray(got).tolist() == [22, 8, 11, 16, 8, 37]
+    row = SamplingArrays.from_params([SamplingParams(temperature=1.0, seed=7)] * 16)
+    got = sample_jit(jnp.tile(logits[:1], (16, 1)), row, jnp.arange(16, dtype=jnp.int32))
+    assert np.asarray(got).tolist() == [34, 21, 3, 24, 6, 19, 6, 18, 3, 34, 24, 23, 5, 39, 17,
+                                        39]
+
+
+def test_the_key_streams_never_meet() -> None:
+    """Over many seeds and indices, no token key is a verify or draft key and no two drafts of
+    a step share one: a shared key would correlate a verifier's accept test with the draw it
+    judges, or two drafts with each other."""
+    seeds = jnp.asarray(np.repeat(np.arange(8, dtype=np.uint32), 32))
+    index = jnp.asarray(np.tile(np.arange(32, dtype=np.int32), 8))
+    data = lambda keys: {tuple(k) for k in np.asarray(jax.random.key_data(keys)).tolist()}
+    streams = [data(token_keys(seeds, index)), data(verify_keys(seeds, index))]
+    streams += [data(draft_keys(seeds, index, j)) for j in range(4)]
+    assert all(len(s) == len(seeds) for s in streams)  # distinct within each stream
+    assert len(set().union(*streams)) == sum(map(len, streams))  # and across streams
+    # The token stream is the documented rule itself.
+    want = jax.random.fold_in(jax.random.key(5), 9)
+    assert (jax.random.key_data(token_keys(jnp.asarray([5], jnp.uint32),
+                                           jnp.asarray([9])))[0]
+            == jax.random.key_data(want)).all()
+
+
+def test_draw_is_sample_and_gives_the_warped_distribution() -> None:
+    """The one draw: with the token keys it is `sample`; with_probs adds each row's warped
+    distribution (a proposer's q), and greedy rows stay the argmax either way."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((4, 30)), jnp.float32)
+    params = [SamplingParams(temperature=0.8, top_k=4, seed=1), SamplingParams(seed=2),
+              SamplingParams(temperature=1.5, top_p=0.6, seed=3),
+              SamplingParams(temperature=1.0, seed=4)]
+    arrays, index = SamplingArrays.from_params(params), jnp.asarray([0, 5, 2, 9], jnp.int32)
+    keys = token_keys(arrays.seeds, index)
+    tokens, probs = jax.jit(draw, static_argnums=3)(logits, arrays, keys, True)
+    assert probs is not None
+    np.testing.assert_array_equal(tokens, sample_jit(logits, arrays, index))
+    np.testing.assert_allclose(probs, jax.nn.softmax(warp_logits(logits, arrays), -1), rtol=1e-6)
+    np.testing.assert_allclose(sampling_probs(logits[:, None].repeat(3, 1), arrays)[:, 2], probs,
+                               rtol=1e-6)
+    assert int(tokens[1]) == int(jnp.argmax(logits[1]))
+    assert (np.asarray(probs[0]) > 0).sum() == 4  # top-k 4
+    assert draw(logits, arrays, keys)[1] is None

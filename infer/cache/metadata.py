@@ -1,5 +1,5 @@
-"""The per-step attention metadata that says where new tokens go, and the host-side bounds check
-of every write."""
+"""The per-step attention metadata that says where new tokens go, the host-side bounds check of
+every write, and the one builder of a paged step's metadata from the sequences' pages."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
+
+from infer.cache.page_allocator import SequencePages, page_tables
 
 
 def check_writes(starts: ArrayLike, ends: ArrayLike, capacity: ArrayLike,
@@ -92,3 +94,33 @@ class AttentionMetadata:
         cached = jnp.asarray(cached, jnp.int32)
         return AttentionMetadata(positions=cached[:, None], lengths=cached + 1,
                                  q_lens=jnp.ones_like(cached), page_tables=page_tables)
+
+
+def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached: np.ndarray,
+                   q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
+                   write_ends: np.ndarray | None = None,
+                   names: Sequence[str] | None = None) -> AttentionMetadata:
+    """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
+    `q_lens` [rows] of them valid, sequence i (`pages[i]`, called `names[i]` in errors, e.g.
+    "request 'id'") in row `row_of[i]` (default i), page tables `width` pages wide.
+
+    First checks on the host that each row writes only slots of pages it holds and its table
+    shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which
+    writes past its metadata. Under jit a write past the table would be dropped and one past
+    the held pages would land in page 0 (the table's padding), another sequence's."""
+    if names is not None and len(names) != len(pages):
+        raise ValueError(f"{len(names)} names for {len(pages)} sequences")
+    row_of = range(len(pages)) if row_of is None else row_of
+    capacity = np.zeros(rows, np.int64)
+    row_names = [""] * rows
+    for j, (i, seq) in enumerate(zip(row_of, pages)):
+        capacity[i] = min(len(seq.pages), width) * seq.page_size
+        row_names[i] = names[j] if names is not None else f"sequence {j}"
+    check_writes(cached, cached + q_lens if write_ends is None else write_ends, capacity,
+                 row_names)
+    positions = cached[:, None] + np.arange(tokens, dtype=np.int32)[None, :]
+    # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
+    return AttentionMetadata(
+        positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
+        q_lens=jax.device_put(q_lens),
+        page_tables=jax.device_put(page_tables(pages, rows, width, row_of)))

@@ -12,7 +12,7 @@ test in milliseconds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -30,10 +30,11 @@ class OutOfPages(RuntimeError):
 class SequencePages:
     """The page table of one sequence.
 
-    `num_tokens` counts the tokens whose KV is actually in the cache. The allocator never advances
-    it: the caller reserves and writes slots for new positions, then moves `num_tokens` forward
-    after the device step, so slots can be reserved ahead (speculative tokens) without claiming
-    they hold data.
+    `num_tokens` counts the tokens whose KV is actually in the cache: the one count of them (the
+    engine's `SeqState.num_computed` reads it). The allocator never advances it: the caller
+    reserves and writes slots for new positions, then moves it forward after the device step
+    (`mark_computed`), so slots can be reserved ahead (speculative tokens) without claiming they
+    hold data. `PageAllocator.truncate` moves it back, `release` to 0.
     """
 
     page_size: int
@@ -43,6 +44,14 @@ class SequencePages:
     @property
     def capacity(self) -> int:
         return len(self.pages) * self.page_size
+
+    def mark_computed(self, num_tokens: int) -> None:
+        """Records that positions [0, num_tokens) hold KV: forward only (`truncate` rolls back),
+        and never past the pages held."""
+        if not self.num_tokens <= num_tokens <= self.capacity:
+            raise ValueError(f"{num_tokens} computed tokens: must be in [{self.num_tokens}, "
+                             f"{self.capacity}] (computed so far, capacity)")
+        self.num_tokens = num_tokens
 
     def slot(self, position: int) -> int:
         """Flat index of `position` in a `[P * G]` view of the cache."""
@@ -64,6 +73,21 @@ class SequencePages:
         """Extra pages (beyond those held) for the capacity to reach `new_num_tokens`."""
         total = -(-new_num_tokens // self.page_size)
         return max(0, total - len(self.pages))
+
+
+def page_tables(pages: Sequence[SequencePages], rows: int, width: int,
+                row_of: Sequence[int] | None = None) -> np.ndarray:
+    """[rows, width] int32 page ids, sequence i in row `row_of[i]` (default i), zero-padded
+    (padding rows and slots past a sequence's pages are never read: lengths mask them, and
+    padding rows write nothing). Pages past `width` are left out: the caller checks that no
+    write needs them (`infer.cache.metadata.paged_metadata`)."""
+    if row_of is not None and len(row_of) != len(pages):
+        raise ValueError(f"row_of has {len(row_of)} rows for {len(pages)} sequences")
+    tables = np.zeros((rows, width), np.int32)
+    for i, seq in zip(range(len(pages)) if row_of is None else row_of, pages):
+        held = seq.pages[:width]
+        tables[i, :len(held)] = held
+    return tables
 
 
 class PageAllocator:
@@ -215,19 +239,6 @@ class PageAllocator:
         self.decref(seq.pages)
         seq.pages.clear()
         seq.num_tokens = 0
-
-    def page_table_array(self, seqs: Iterable[SequencePages], width: int,
-                         pad_page: int = 0) -> np.ndarray:
-        """`[B, width]` int32 page tables, padded with `pad_page` (never read: lengths mask it)."""
-        self._check_id(pad_page)
-        seqs = list(seqs)
-        table = np.full((len(seqs), width), pad_page, dtype=np.int32)
-        for b, seq in enumerate(seqs):
-            if len(seq.pages) > width:
-                raise ValueError(
-                    f"sequence {b} holds {len(seq.pages)} pages, more than the width {width}")
-            table[b, :len(seq.pages)] = seq.pages
-        return table
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -1,10 +1,14 @@
 """The jitted device steps: prefill (compute-bound) and decode (memory-bound), kept separate.
 
-`DeviceSteps(model)` binds the two to one model. The model's structure is closed over and its weights
-travel as a flat list of arrays: handing jit the nnx graph as a static argument made every call
-hash and re-flatten it, about 4 ms of host time a step. The KV cache is donated, so XLA updates
-it in place. Everything that changes between calls (tokens, lengths, page tables, sampling
-parameters) is an array; only shapes are static.
+`DeviceSteps(model)` binds the steps to one model through the one binder
+(`infer.model.binding`): the weights travel as a flat list of arrays, the structure is closed
+over. Its `binding` is public so that other programs over the same target (tree speculation)
+take the weights bound here instead of binding them again. The KV cache is donated, so XLA
+updates it in place. Everything that changes between calls (tokens, lengths, page tables,
+sampling parameters) is an array; only shapes are static.
+
+`sample_index` [B] is each row's count of tokens sampled so far: the index of its PRNG streams
+(`infer.sampling`), and nothing else.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from infer.cache.metadata import AttentionMetadata
+from infer.model.binding import Binding, binding
 from infer.model.llama import CacheT, Llama
 from infer.sampling import SamplingArrays, sample
 from infer.spec.verify import verify_chain
@@ -28,7 +32,7 @@ class DecodeState:
 
     tokens: jax.Array  # [B] int32, the last sampled token of each row (the next input)
     lengths: jax.Array  # [B] int32, tokens in the cache
-    steps: jax.Array  # [B] int32, tokens sampled so far (for the per-row PRNG stream)
+    sample_index: jax.Array  # [B] int32, tokens sampled so far (the PRNG streams' index)
     sampling: SamplingArrays
     page_tables: jax.Array | None = None  # [B, n] int32 for a paged cache
 
@@ -37,39 +41,36 @@ class DeviceSteps:
     """`prefill_step` and `decode_step` of one model, jitted with the cache donated."""
 
     def __init__(self, model: Llama) -> None:
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree.flatten(state)
         self.config = model.config
-        self.params: list[jax.Array] = leaves
+        self.binding: Binding[Llama] = binding(model)
+        self.params: list[jax.Array] = self.binding.params
+        bind = self.binding.bind
 
-        def bind(leaves: list[jax.Array]) -> Llama:
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-        def prefill(params, cache, tokens, meta, sampling, steps):
+        def prefill(params, cache, tokens, meta, sampling, sample_index):
             model = bind(params)
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
             logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
             logits = logits[:, 0]
-            return sample(logits, sampling, steps), logits, hidden, cache
+            return sample(logits, sampling, sample_index), logits, hidden, cache
 
         def decode(params, cache, state):
             model = bind(params)
             meta = AttentionMetadata.for_decode(state.lengths, state.page_tables)
             logits, _, cache = model(state.tokens[:, None], cache, meta)
             logits = logits[:, 0]
-            tokens = sample(logits, state.sampling, state.steps)
+            tokens = sample(logits, state.sampling, state.sample_index)
             state = dataclasses.replace(state, tokens=tokens, lengths=state.lengths + 1,
-                                        steps=state.steps + 1)
+                                        sample_index=state.sample_index + 1)
             return state, logits, cache
 
         def forward(params, cache, tokens, meta):
             return bind(params)(tokens, cache, meta)
 
         def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
-                   steps):
+                   sample_index):
             logits, hidden, cache = bind(params)(tokens, cache, meta)
             num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
-                                                 sampling, steps)
+                                                 sampling, sample_index)
             return num_accepted, emitted, hidden, cache
 
         self._forward = jax.jit(forward, donate_argnums=1)
@@ -85,7 +86,7 @@ class DeviceSteps:
 
     def verify_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                     draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
-                    sampling: SamplingArrays, steps: jax.Array
+                    sampling: SamplingArrays, sample_index: jax.Array
                     ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
         """One target pass over [last token, drafts] [B, k+1] and exact verification.
 
@@ -95,10 +96,10 @@ class DeviceSteps:
         overwritten later (rollback is not advancing the length). `draft_probs` [B, k, V] are
         the draft's sampling probabilities, or None for deterministic proposals."""
         return self._verify(self.params, cache, tokens, meta, draft_tokens, num_draft,
-                            draft_probs, sampling, steps)
+                            draft_probs, sampling, sample_index)
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
-                     sampling: SamplingArrays, steps: jax.Array
+                     sampling: SamplingArrays, sample_index: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
         """Runs rows of new tokens [B, T] (padded past meta.q_lens) through the model, writing
         their KV, and samples one token after each row's last valid token.
@@ -106,19 +107,19 @@ class DeviceSteps:
         Returns (next tokens [B], logits at each row's last valid token [B, V], final hidden
         states at every position [B, T, E] (an EAGLE head's features), cache).
         """
-        return self._prefill(self.params, cache, tokens, meta, sampling, steps)
+        return self._prefill(self.params, cache, tokens, meta, sampling, sample_index)
 
     def lower_prefill(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
-                      sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+                      sampling: SamplingArrays, sample_index: jax.Array) -> jax.stages.Lowered:
         """prefill_step lowered for these shapes, for ahead-of-time compilation."""
-        return self._prefill.lower(self.params, cache, tokens, meta, sampling, steps)
+        return self._prefill.lower(self.params, cache, tokens, meta, sampling, sample_index)
 
     def lower_verify(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
-                     sampling: SamplingArrays, steps: jax.Array) -> jax.stages.Lowered:
+                     sampling: SamplingArrays, sample_index: jax.Array) -> jax.stages.Lowered:
         """verify_step lowered for these shapes, for ahead-of-time compilation."""
         return self._verify.lower(self.params, cache, tokens, meta, draft_tokens, num_draft,
-                                  draft_probs, sampling, steps)
+                                  draft_probs, sampling, sample_index)
 
     def decode_step(self, cache: CacheT, state: DecodeState
                     ) -> tuple[DecodeState, jax.Array, CacheT]:

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.prefix_cache import PrefixCache
+from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord
-from infer.engine.request import Request, RequestLimits, RequestOutput, validate_request
+from infer.engine.request import Request, RequestOutput, validate_request
 from infer.engine.runner import Runner, RunnerConfig
 from infer.engine.scheduler import Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
@@ -47,7 +48,7 @@ class EngineConfig:
     attention_backend: str = "reference"
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = False
-    min_window: int = 128  # smallest attention window in tokens (RunnerConfig.min_window)
+    min_window: int = MIN_WINDOW  # smallest attention window in tokens (RunnerConfig.min_window)
     # A long-running engine's memory stays bounded: it keeps the latest step records and the
     # outputs of the latest finished requests only (consumers take them from step()).
     max_step_records: int = 65_536
@@ -103,9 +104,9 @@ class Engine:
         if config.speculative and runner is None:
             proposer = make_proposer(config.speculative, model, runner_config)
         self.runner = runner or Runner(model, runner_config, proposer)
-        self.limits = RequestLimits(vocab_size=model.config.vocab_size,
-                                    max_model_len=max_model_len,
-                                    pool_tokens=num_pages * config.page_size)
+        # The scheduler's limits and the vocabulary: a request checked here is not checked again.
+        self.limits = dataclasses.replace(self.scheduler.limits,
+                                          vocab_size=model.config.vocab_size)
         self.records: collections.deque[StepRecord] = collections.deque(
             maxlen=config.max_step_records)
         self.num_steps = 0
@@ -136,10 +137,11 @@ class Engine:
             self._next_id += 1
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
-                       prompt=prompt, arrival_s=arrival_s)
+                       prompt=prompt, arrival_s=arrival_s, validated=self.limits)
 
     def submit(self, request: Request, callback: Callback | None = None) -> str:
-        """Queues a request from `make_request`."""
+        """Queues a request from `make_request` (one made otherwise is validated by the
+        scheduler, against its limits)."""
         self.scheduler.add(request)
         self._finished.pop(request.request_id, None)  # an id may be reused once finished
         if callback is not None:

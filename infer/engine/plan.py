@@ -1,5 +1,10 @@
-"""The scheduler's decision for one step, the contract the runner and the proposers read: which
-sequences run, which prefill chunks, which page copies. Plain Python, no JAX."""
+"""The contract the runner and the proposers read: the scheduler's decision for one step (which
+sequences run, which prefill chunks, which page copies), not the scheduler itself. Plain Python,
+no JAX.
+
+Each idea has one owner here: a sequence's cached-token count is its pages' `num_tokens` (the
+allocator's truncate and copy-on-write reason about it), and whether it is finished is its
+request's `finished` (the finish reason); `SeqState` only reads them."""
 
 from __future__ import annotations
 
@@ -15,19 +20,41 @@ class Status(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
 
+
 @dataclasses.dataclass
 class SeqState:
     """The scheduler's view of one request."""
 
     request: Request
     pages: SequencePages
-    status: Status = Status.WAITING
-    num_computed: int = 0  # tokens of request.all_token_ids whose KV is in the cache
-    admitted_at: int = -1  # admission order, for choosing whom to preempt
+    # Admission order while it holds a slot (for choosing whom to preempt); -1 while waiting.
+    admitted_at: int = -1
+
+    @property
+    def status(self) -> Status:
+        """FINISHED once its request is (the one finished state); otherwise RUNNING while it
+        holds a slot, WAITING in the queue."""
+        if self.request.finished:
+            return Status.FINISHED
+        return Status.RUNNING if self.admitted_at >= 0 else Status.WAITING
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens of request.all_token_ids whose KV is in the cache: its pages' count."""
+        return self.pages.num_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.request.output_ids)
+
+    @property
+    def label(self) -> str:
+        """How errors name it: "request 'id'"."""
+        return f"request {self.request.request_id!r}"
 
     @property
     def in_prefill(self) -> bool:
@@ -37,7 +64,8 @@ class SeqState:
 
     @property
     def decode_ready(self) -> bool:
-        return self.num_computed == self.num_tokens - 1 and not self.request.finished
+        return self.num_computed == self.num_tokens - 1 and not self.finished
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
@@ -49,6 +77,7 @@ class PrefillChunk:
     def completes(self) -> bool:
         """The chunk reaches the last token, so the step's sampled token is the next output."""
         return self.start + len(self.token_ids) == self.seq.num_tokens
+
 
 @dataclasses.dataclass
 class StepPlan:

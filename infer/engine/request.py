@@ -29,11 +29,20 @@ class RequestLimits:
     max_model_len: int | None = None
     pool_tokens: int | None = None  # token slots of the whole page pool
 
+    def implies(self, other: RequestLimits) -> bool:
+        """Whether a request that passed `validate_request` with these limits passes it with
+        `other`'s: every limit `other` sets is set here, no looser."""
+        return all(theirs is None or (mine is not None and mine <= theirs)
+                   for mine, theirs in ((self.vocab_size, other.vocab_size),
+                                        (self.max_model_len, other.max_model_len),
+                                        (self.pool_tokens, other.pool_tokens)))
+
 
 def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
                      limits: RequestLimits) -> list[int]:
-    """The one check of a request, used by the LLM, the engine, the scheduler and the simple
-    loop. Raises ValueError naming the problem; returns the prompt's ids as Python ints."""
+    """The one check of a request, used by the engine (for the LLM too), the scheduler (for a
+    request not checked yet against its limits: `Request.validated`) and the simple loop.
+    Raises ValueError naming the problem; returns the prompt's ids as Python ints."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     if isinstance(prompt_token_ids, (str, bytes)):
@@ -95,12 +104,17 @@ class Request:
     stop strings (the text is cut before the stop string) and max_tokens.
 
     Until it finishes, a request's visible text holds back any tail that could still grow into
-    a stop string, so streamed text never shows part of one."""
+    a stop string, so streamed text never shows part of one.
+
+    `validated`: the limits `validate_request` already passed it with (None: not checked), so
+    that a request is checked once on its way in."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer | None, eos_ids: tuple[int, ...] = (),
-                 prompt: str | None = None, arrival_s: float | None = None) -> None:
+                 prompt: str | None = None, arrival_s: float | None = None,
+                 validated: RequestLimits | None = None) -> None:
         self.request_id = request_id
+        self.validated = validated
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -9,8 +9,9 @@ two up to `max_prefill_tokens`, and page tables to a power-of-two number of toke
 valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
 positions are arrays, never static.
 
-Every write is checked on the host before the step (`paged_metadata`): a row may write only
-into pages it holds, and a violation raises instead of corrupting another row's page.
+Every write is checked on the host before the step (`infer.cache.metadata.paged_metadata`): a
+row may write only into pages it holds, and a violation raises instead of corrupting another
+row's page. The padding rules are `infer.engine.buckets`'.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 
-from infer.cache.metadata import AttentionMetadata, check_writes
+from infer.cache.metadata import paged_metadata
 from infer.cache.paged import PagedKVCache, copy_pages
-from infer.engine.buckets import bucket_for
+from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.plan import PrefillChunk, SeqState, StepPlan
 from infer.model.llama import Llama
@@ -33,15 +34,6 @@ from infer.spec.stats import SpeculationStats
 
 if TYPE_CHECKING:
     from infer.spec.proposer import Proposer
-
-
-def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2 lo, 4 lo, ... up to and including hi (hi itself added if not a power)."""
-    out, n = [], lo
-    while n < hi:
-        out.append(n)
-        n *= 2
-    return tuple(out) + (hi,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +48,7 @@ class RunnerConfig:
     num_speculative_tokens: int = 0
     # Smallest attention window in tokens: shorter sequences still attend over this many slots,
     # and each power of two above it up to max_model_len is one more set of programs.
-    min_window: int = 128
+    min_window: int = MIN_WINDOW
 
     def __post_init__(self) -> None:
         w = self.min_window
@@ -69,7 +61,8 @@ class RunnerConfig:
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
-        return powers_of_two(min(16, self.max_prefill_tokens), self.max_prefill_tokens)
+        top = self.max_prefill_tokens
+        return powers_of_two(min(MIN_PREFILL_TOKENS, top), top)
 
     @property
     def window_buckets(self) -> tuple[int, ...]:
@@ -94,44 +87,6 @@ class Shape:
     draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
 
 
-def page_tables(seqs: Sequence[SeqState], rows: int, width: int,
-                row_of: Sequence[int] | None = None) -> np.ndarray:
-    """[rows, width] page ids, sequence i in row `row_of[i]` (default i), zero-padded (padding
-    rows write nothing). Pages past `width` are left out: `paged_metadata` checks that no write
-    needs them."""
-    tables = np.zeros((rows, width), np.int32)
-    for i, s in zip(range(len(seqs)) if row_of is None else row_of, seqs):
-        held = s.pages.pages[:width]
-        tables[i, :len(held)] = held
-    return tables
-
-
-def paged_metadata(seqs: Sequence[SeqState], rows: int, width: int, cached: np.ndarray,
-                   q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
-                   write_ends: np.ndarray | None = None) -> AttentionMetadata:
-    """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
-    `q_lens` [rows] of them valid, sequence i in row `row_of[i]` (default i), page tables
-    `width` pages wide.
-
-    First checks on the host that each row writes only slots of pages it holds and its table
-    shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which
-    writes past its metadata. Under jit a write past the table would be dropped and one past
-    the held pages would land in page 0 (the table's padding), another sequence's."""
-    row_of = range(len(seqs)) if row_of is None else row_of
-    capacity = np.zeros(rows, np.int64)
-    names = [""] * rows
-    for i, s in zip(row_of, seqs):
-        capacity[i] = min(len(s.pages.pages), width) * s.pages.page_size
-        names[i] = f"request {s.request.request_id!r}"
-    check_writes(cached, cached + q_lens if write_ends is None else write_ends, capacity, names)
-    positions = cached[:, None] + np.arange(tokens, dtype=np.int32)[None, :]
-    # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
-    return AttentionMetadata(
-        positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
-        q_lens=jax.device_put(q_lens),
-        page_tables=jax.device_put(page_tables(seqs, rows, width, row_of)))
-
-
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
                  proposer: "Proposer | None" = None) -> None:
@@ -141,7 +96,7 @@ class Runner:
         self.config = config
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
-        self.steps = DeviceSteps(model)
+        self.device_steps = DeviceSteps(model)
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
@@ -164,21 +119,24 @@ class Runner:
         return []
 
     def _inputs(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
-                q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple:
+                q_lens: np.ndarray, width: int, sample_index: np.ndarray) -> tuple:
         """Device arrays for one step, built on the host and moved by `jax.device_put`: eager
         jnp here (arithmetic, even `jnp.asarray`) would compile small programs of its own for
-        every new shape, after warm-up."""
+        every new shape, after warm-up. `sample_index` [rows]: each row's tokens sampled so far,
+        its position in its PRNG stream."""
         b, t = tokens.shape
-        meta = paged_metadata(seqs, b, width, cached, q_lens, t)
+        meta = paged_metadata([s.pages for s in seqs], b, width, cached, q_lens, t,
+                              names=[s.label for s in seqs])
         return (jax.device_put(tokens), meta,
                 SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
-                jax.device_put(steps))
+                jax.device_put(sample_index))
 
     def _run(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
-             q_lens: np.ndarray, width: int, steps: np.ndarray) -> tuple[list[int], jax.Array]:
+             q_lens: np.ndarray, width: int, sample_index: np.ndarray
+             ) -> tuple[list[int], jax.Array]:
         """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
-        sampled, _, hidden, self.cache = self.steps.prefill_step(
-            self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, steps))
+        sampled, _, hidden, self.cache = self.device_steps.prefill_step(
+            self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, sample_index))
         return np.asarray(sampled).tolist(), hidden
 
     def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
@@ -190,8 +148,9 @@ class Runner:
             tokens[i, :len(c.token_ids)] = c.token_ids
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
-        steps = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
-        sampled, hidden = self._run([c.seq for c in chunks], tokens, cached, q_lens, width, steps)
+        sample_index = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
+        sampled, hidden = self._run([c.seq for c in chunks], tokens, cached, q_lens, width,
+                                    sample_index)
         if self.proposer is not None:
             self.proposer.observe_prefill(chunks, hidden)
         return sampled[:rows]
@@ -204,12 +163,12 @@ class Runner:
         tokens = np.zeros((rows, 1), np.int32)
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
-        steps = np.zeros(rows, np.int32)
+        sample_index = np.zeros(rows, np.int32)
         for i, s in enumerate(seqs):
             tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
             cached[i], q_lens[i] = s.num_computed, 1
-            steps[i] = len(s.request.output_ids)
-        sampled, hidden = self._run(seqs, tokens, cached, q_lens, width, steps)
+            sample_index[i] = len(s.request.output_ids)
+        sampled, hidden = self._run(seqs, tokens, cached, q_lens, width, sample_index)
         out = [[t] for t in sampled[:len(seqs)]]
         if self.proposer is not None:
             self.proposer.commit(seqs, out, hidden)
@@ -227,17 +186,18 @@ class Runner:
         tokens[:, 1:] = drafts
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
-        steps = np.zeros(rows, np.int32)
+        sample_index = np.zeros(rows, np.int32)
         for i, s in enumerate(seqs):
             tokens[i, 0] = s.request.last_token_id
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
-            steps[i] = len(s.request.output_ids)
+            sample_index[i] = len(s.request.output_ids)
         width = self.config.window_for(
             max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
-        tok, meta, sampling, steps = self._inputs(seqs, tokens, cached, q_lens, width, steps)
-        accepted, emitted, hidden, self.cache = self.steps.verify_step(
+        tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
+                                                  sample_index)
+        accepted, emitted, hidden, self.cache = self.device_steps.verify_step(
             self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
-            sampling, steps)
+            sampling, index)
         accepted, emitted = np.asarray(accepted), np.asarray(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
         self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
@@ -278,19 +238,21 @@ class Runner:
         ignored. Verify steps get (drafts, counts, draft_probs) after the metadata."""
         rows, t = shape.rows, shape.tokens
         zeros = np.zeros(rows, np.int32)
-        tok, meta, sampling, steps = self._inputs([], np.zeros((rows, t), np.int32), zeros,
+        tok, meta, sampling, index = self._inputs([], np.zeros((rows, t), np.int32), zeros,
                                                   zeros, shape.width, zeros)
         if shape.kind != "verify":
-            return tok, meta, sampling, steps
+            return tok, meta, sampling, index
         k = t - 1
-        probs = (jax.device_put(np.zeros((rows, k, self.steps.config.vocab_size), np.float32))
+        vocab = self.device_steps.config.vocab_size
+        probs = (jax.device_put(np.zeros((rows, k, vocab), np.float32))
                  if shape.draft_probs else None)
         return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
-                probs, sampling, steps)
+                probs, sampling, index)
 
     def _run_shape(self, shape: Shape) -> None:
         args = self._dummy(shape)
-        step = self.steps.verify_step if shape.kind == "verify" else self.steps.prefill_step
+        programs = self.device_steps
+        step = programs.verify_step if shape.kind == "verify" else programs.prefill_step
         *_, self.cache = step(self.cache, *args)
 
     def warmup(self, progress: bool = False, threads: int = 2) -> int:
@@ -306,8 +268,8 @@ class Runner:
             import concurrent.futures
 
             def compile_one(shape: Shape) -> None:
-                lower = self.steps.lower_verify if shape.kind == "verify" else \
-                    self.steps.lower_prefill
+                lower = self.device_steps.lower_verify if shape.kind == "verify" else \
+                    self.device_steps.lower_prefill
                 lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:

@@ -1,8 +1,11 @@
 """Which requests run at each engine step, and where their tokens go. Host side: plain Python,
 no JAX, testable with a mock runner.
 
-A request moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted). Its KV lives
-in pages from the `PageAllocator`; `num_computed` counts the tokens whose KV is in them.
+A request moves WAITING -> RUNNING -> FINISHED (and back to WAITING when preempted); it is
+FINISHED exactly when its `Request` is (has a finish reason). Its KV lives in pages from the
+`PageAllocator`; their `num_tokens` (read as `SeqState.num_computed`) counts the tokens whose KV
+is in them, the one count: preemption releases the pages (count 0), adopting cached pages sets it
+past them, a step's postprocess moves it forward, and rejected drafts' slots are truncated.
 
 - Prefill: a running request whose tokens are not all computed gets a chunk of at most
   `max_prefill_tokens` of them. When a chunk reaches the last token, the step samples the next
@@ -51,7 +54,7 @@ from typing import Callable, Iterable, Sequence
 from infer.cache.page_allocator import OutOfPages, PageAllocator
 from infer.cache.prefix_cache import PrefixCache
 from infer.engine.plan import PrefillChunk, SeqState, Status, StepPlan
-from infer.engine.request import FinishReason, Request, RequestLimits, validate_request
+from infer.engine.request import Request, RequestLimits, validate_request
 
 POLICIES = ("continuous", "static")
 
@@ -83,8 +86,9 @@ class Scheduler:
         if prefix_cache is not None:
             allocator.set_reclaimer(prefix_cache.evict)
         self.clock = clock
-        self._limits = RequestLimits(max_model_len=config.max_model_len,
-                                     pool_tokens=allocator.num_pages * allocator.page_size)
+        # What only the scheduler knows a request must fit (the engine adds the vocabulary).
+        self.limits = RequestLimits(max_model_len=config.max_model_len,
+                                    pool_tokens=allocator.num_pages * allocator.page_size)
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []
         self.seqs: dict[str, SeqState] = {}
@@ -96,12 +100,15 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------
 
     def add(self, request: Request) -> SeqState:
+        """Queues a request. One validated against limits at least as tight as the scheduler's
+        (`Request.validated`, set by `Engine.make_request`) is not checked again."""
         if request.request_id in self.seqs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        try:
-            validate_request(request.prompt_token_ids, request.params, self._limits)
-        except ValueError as e:
-            raise ValueError(f"request {request.request_id!r}: {e}") from None
+        if not (request.validated is not None and request.validated.implies(self.limits)):
+            try:
+                validate_request(request.prompt_token_ids, request.params, self.limits)
+            except ValueError as e:
+                raise ValueError(f"request {request.request_id!r}: {e}") from None
         seq = SeqState(request=request, pages=self.allocator.new_sequence())
         self.seqs[request.request_id] = seq
         self.waiting.append(seq)
@@ -109,9 +116,8 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SeqState | None:
         seq = self.seqs.get(request_id)
-        if seq is None or seq.status == Status.FINISHED:
+        if seq is None or seq.finished:
             return None
-        seq.request.abort()
         self._finish(seq)
         return seq
 
@@ -171,8 +177,7 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self._take_cached(seq, cached)
-            seq.status = Status.RUNNING
-            seq.admitted_at = self._admissions
+            seq.admitted_at = self._admissions  # RUNNING from now on
             self._admissions += 1
             self.running.append(seq)
             self._batch_width += 1
@@ -192,7 +197,7 @@ class Scheduler:
             # evict pages just matched.
             self.allocator.incref(cached[held:])
             seq.pages.pages.extend(cached[held:])
-            seq.num_computed = seq.pages.num_tokens = len(cached) * self.allocator.page_size
+            seq.pages.mark_computed(len(cached) * self.allocator.page_size)
         seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed)
 
     def _pages_available(self, pinned: Sequence[int] = ()) -> int:
@@ -271,9 +276,8 @@ class Scheduler:
 
     def _preempt(self, seq: SeqState) -> None:
         self._cache_pages(seq)  # its recompute may then find them
-        self.allocator.release(seq.pages)
-        seq.num_computed = 0
-        seq.status = Status.WAITING
+        self.allocator.release(seq.pages)  # nothing computed: it recomputes from the start
+        seq.admitted_at = -1  # WAITING
         seq.request.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -291,20 +295,20 @@ class Scheduler:
         got_token = []
         for chunk, tokens in zip(plan.prefill, emitted):
             seq = chunk.seq
-            seq.num_computed = chunk.start + len(chunk.token_ids)
-            seq.pages.num_tokens = seq.num_computed
+            if seq.status != Status.RUNNING:
+                continue  # aborted since the plan: its pages are gone
+            seq.pages.mark_computed(chunk.start + len(chunk.token_ids))
             self._cache_pages(seq)
-            if chunk.completes and seq.status == Status.RUNNING:
+            if chunk.completes:
                 self._append(seq, tokens, now)
                 got_token.append(seq)
         for seq, tokens in zip(plan.decode, emitted[len(plan.prefill):]):
+            if seq.status != Status.RUNNING:
+                continue
             # The step wrote KV for the fed token and every accepted draft: one per emitted
             # token, the last emitted one (the target's own) not yet in the cache.
             filled_before = seq.num_computed // self.allocator.page_size
-            seq.num_computed += len(tokens)
-            if seq.status != Status.RUNNING:
-                continue
-            seq.pages.num_tokens = seq.num_computed
+            seq.pages.mark_computed(seq.num_computed + len(tokens))
             self.allocator.truncate(seq.pages, seq.num_computed)  # pages of rejected drafts
             if seq.num_computed // self.allocator.page_size > filled_before:
                 self._cache_pages(seq)  # a page just filled
@@ -319,18 +323,18 @@ class Scheduler:
                 return
 
     def _finish(self, seq: SeqState) -> None:
-        if seq.status == Status.RUNNING:
+        """Drops a request that finished (or aborts it): FINISHED is its request's state."""
+        seq.request.abort()  # no-op when it has a finish reason already
+        if seq.admitted_at >= 0:
             self.running.remove(seq)
             self._cache_pages(seq)
-        elif seq.status == Status.WAITING:
+            seq.admitted_at = -1
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.release(seq.pages)
-        seq.status = Status.FINISHED
         # A long-running engine keeps no record of finished requests: their outputs went to
         # the caller with the step that finished them.
         self.seqs.pop(seq.request.request_id, None)
-        if seq.request.finish_reason is None:
-            seq.request.finish_reason = FinishReason.ABORT
 
     def slot_utilization(self) -> float:
         """Slots whose request still produces tokens, over max_num_seqs. Under the static policy

@@ -54,7 +54,7 @@ def resolve_path(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
 def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
          ) -> tuple[LlamaConfig, Llama, Tokenizer]:
     """Loads (config, model, tokenizer). The model is the Flax module holding the weights;
-    `nnx.split(model)` gives the (graphdef, params) pair the jitted steps take."""
+    `infer.model.binding.binding(model)` gives the flat weights the jitted steps take."""
     weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
     checkpoint = read_checkpoint(path)

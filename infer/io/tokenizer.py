@@ -18,13 +18,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from infer.io.checkpoint import (
-    Checkpoint,
-    GGUFTokenizerData,
-    HFTokenizerDir,
-    TokenizerSource,
-    read_gguf_tokenizer,
-)
+from infer.io.checkpoint import (Checkpoint, GGUFTokenizerData, HFTokenizerDir, TokenizerSource,
+                                 read_gguf_tokenizer)
 
 # Llama-3's split pattern (llama.cpp pre-tokenizer "llama-bpe"): digits in groups of up to three.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"

@@ -17,14 +17,8 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from infer.io.tensors import (
-    assign_params,
-    check_format,
-    config_metadata,
-    named_params,
-    read_tensors,
-    save_tensors,
-)
+from infer.io.tensors import (assign_params, check_format, config_metadata, named_params,
+                              read_tensors, save_tensors)
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
 

@@ -17,7 +17,7 @@ one-layer KV cache (layer index 0), so its cache advances in step with the targe
 
 Weights are stored as named tensors in safetensors (bfloat16 on disk, float32 by default in
 memory): `save_eagle` / `load_eagle`. `named_params` / `assign_params` are the generic helpers,
-shared with `infer.draft`.
+shared with `infer.spec.draft_model`.
 """
 
 from __future__ import annotations
@@ -30,14 +30,8 @@ from flax import nnx
 
 from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
-from infer.io.tensors import (
-    assign_params,
-    check_format,
-    config_metadata,
-    named_params,
-    read_tensors,
-    save_tensors,
-)
+from infer.io.tensors import (assign_params, check_format, config_metadata, named_params,
+                              read_tensors, save_tensors)
 from infer.model.config import LlamaConfig
 from infer.model.llama import CacheT, DecoderLayer, Llama, RMSNorm, dense, param, rope_frequencies
 from infer.model.sharding import EMBED

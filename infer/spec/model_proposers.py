@@ -36,39 +36,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from infer.cache.metadata import AttentionMetadata
+from infer.cache.metadata import AttentionMetadata, paged_metadata
 from infer.cache.page_allocator import SequencePages
 from infer.cache.paged import PagedKVCache
 from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
-from infer.engine.runner import paged_metadata
+from infer.model.binding import binding
 from infer.model.llama import Llama
-from infer.sampling import SamplingArrays, row_keys, warp_logits
+from infer.sampling import SamplingArrays, draft_keys, draw
 from infer.spec.eagle_head import EagleHead
 
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
 
-DRAFT_SALT = 0xD4AF7  # draft keys differ from the target's sampling and verification keys
-
-
-def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, sampled: bool
-         ) -> tuple[jax.Array, jax.Array | None]:
-    """Draft tokens [B] from logits [B, V]: argmax for greedy rows, a draw from the row's warped
-    distribution otherwise; with `sampled`, also that distribution [B, V] (the verifier's q)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not sampled:
-        return greedy, None
-    warped = warp_logits(logits, sampling)
-    drawn = jax.vmap(jax.random.categorical)(keys, warped).astype(jnp.int32)
-    return jnp.where(sampling.temperature > 0, drawn, greedy), jax.nn.softmax(warped, axis=-1)
-
-
 def _step_meta(positions: jax.Array, write: jax.Array, tables: jax.Array) -> AttentionMetadata:
     """One token per row at `positions` [B], written only where `write` [B] bool."""
-    q = write.astype(jnp.int32)
-    return AttentionMetadata(positions=positions[:, None], lengths=positions + q, q_lens=q,
-                             page_tables=tables)
+    return AttentionMetadata.for_prefill(write.astype(jnp.int32), 1, cached=positions,
+                                         page_tables=tables)
 
 
 @dataclasses.dataclass
@@ -130,10 +114,10 @@ class _ModelProposer:
         params = [s.request.params for s in seqs]
         sampling = SamplingArrays.from_params(params, batch=rows)
         sampled = any(not p.greedy for p in params)
-        steps = np.zeros(rows, np.int32)
-        steps[:len(seqs)] = [len(s.request.output_ids) for s in seqs]
+        sample_index = np.zeros(rows, np.int32)
+        sample_index[:len(seqs)] = [len(s.request.output_ids) for s in seqs]
         drafts, probs, self.cache = self._chain(self.cache, *inputs, jnp.asarray(limits_arr),
-                                                sampling, jnp.asarray(steps), k, sampled)
+                                                sampling, jnp.asarray(sample_index), k, sampled)
         for i in active:
             self._tracks[seqs[i].request.request_id].drafts_fed = limits[i] - 1
         counts = limits_arr.copy()
@@ -177,8 +161,8 @@ class _ModelProposer:
             end = min(last, track.valid + self.config.max_prefill_tokens)
             t = bucket_for(end - track.valid, self.config.prefill_buckets)
             width = self.config.window_for(max(end, seq.pages.capacity))
-            meta = paged_metadata([seq], 1, width, np.array([track.valid], np.int32),
-                                  np.array([end - track.valid], np.int32), t)
+            meta = paged_metadata([seq.pages], 1, width, np.array([track.valid], np.int32),
+                                  np.array([end - track.valid], np.int32), t, names=[seq.label])
             self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
                                        meta)
             track.valid = end
@@ -199,7 +183,8 @@ class _ModelProposer:
                 buffer[i] = values[0]
             track.valid = end
         write_ends = cached + q_lens + np.maximum(limits - 1, 0)
-        meta = paged_metadata(seqs, rows, width, cached, q_lens, w, rows_of, write_ends)
+        meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, w, rows_of,
+                              write_ends, names=[s.label for s in seqs])
         return (*[jax.device_put(b) for b in row_inputs], meta)
 
     # -- warm-up --------------------------------------------------------------------------------
@@ -245,12 +230,6 @@ class _ModelProposer:
     _chain: Callable
 
 
-def _bind(module: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.Module], list[jax.Array]]:
-    graphdef, state = nnx.split(module)
-    leaves, treedef = jax.tree.flatten(state)
-    return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), leaves
-
-
 class DraftModelProposer(_ModelProposer):
     """A small Llama sharing the target's tokenizer drafts k tokens autoregressively."""
 
@@ -259,23 +238,23 @@ class DraftModelProposer(_ModelProposer):
     def __init__(self, draft: Llama, config: "RunnerConfig") -> None:
         c = draft.config
         super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim)
-        bind, self.params = _bind(draft)
+        bound = binding(draft)
+        bind, self.params = bound.bind, bound.params
 
         def forward(params, cache, tokens, meta):
             _, _, cache = bind(params)(tokens, cache, meta, logit_index=jnp.zeros(
                 (tokens.shape[0], 1), jnp.int32))
             return cache
 
-        def chain(params, cache, tokens, meta, limits, sampling, steps, k, sampled):
+        def chain(params, cache, tokens, meta, limits, sampling, sample_index, k, sampled):
             model = bind(params)
-            keys = row_keys(sampling.seeds ^ DRAFT_SALT, steps)
             logits, _, cache = model(tokens, cache, meta,
                                      logit_index=jnp.maximum(meta.q_lens - 1, 0)[:, None])
             drafts, probs = [], []
             next_position = meta.lengths  # x_n sits at lengths - 1
             for j in range(k):
-                token, p = draw(logits[:, 0], sampling, jax.vmap(jax.random.fold_in, (0, None))(
-                    keys, j), sampled)
+                token, p = draw(logits[:, 0], sampling,
+                                draft_keys(sampling.seeds, sample_index, j), with_probs=sampled)
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:  # feed draft j+1 (1-based) only if the row wants draft j+2
@@ -290,9 +269,9 @@ class DraftModelProposer(_ModelProposer):
     def _forward(self, cache, tokens, meta):
         return self._forward_jit(self.params, cache, tokens, meta)
 
-    def _chain(self, cache, tokens, meta, limits, sampling, steps, k, sampled):
-        return self._chain_jit(self.params, cache, tokens, meta, limits, sampling, steps, k,
-                               sampled)
+    def _chain(self, cache, tokens, meta, limits, sampling, sample_index, k, sampled):
+        return self._chain_jit(self.params, cache, tokens, meta, limits, sampling, sample_index,
+                               k, sampled)
 
     def _last_pending(self, seq: SeqState) -> int:
         return seq.num_computed + 1  # through x_n, the token the target is about to verify from
@@ -324,17 +303,17 @@ class EagleProposer(_ModelProposer):
         super().__init__(config, 1, c.num_kv_heads, c.head_dim)
         self.catch_up_width = config.num_speculative_tokens + 1
         self.hidden_size = c.hidden_size
-        bind, self.params = _bind(_EagleDraft(head, target))
+        bound = binding(_EagleDraft(head, target))
+        bind, self.params = bound.bind, bound.params
 
         def forward(params, cache, features, next_tokens, meta):
             m = bind(params)
             _, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
             return cache
 
-        def chain(params, cache, features, next_tokens, meta, limits, sampling, steps, k,
+        def chain(params, cache, features, next_tokens, meta, limits, sampling, sample_index, k,
                   sampled):
             m = bind(params)
-            keys = row_keys(sampling.seeds ^ DRAFT_SALT, steps)
             predicted, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
             last = jnp.maximum(meta.q_lens - 1, 0)
             feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
@@ -342,7 +321,7 @@ class EagleProposer(_ModelProposer):
             drafts, probs = [], []
             for j in range(k):
                 token, p = draw(m.target.logits(feature), sampling,
-                                jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampled)
+                                draft_keys(sampling.seeds, sample_index, j), with_probs=sampled)
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:
@@ -359,9 +338,10 @@ class EagleProposer(_ModelProposer):
     def _forward(self, cache, features, next_tokens, meta):
         return self._forward_jit(self.params, cache, features, next_tokens, meta)
 
-    def _chain(self, cache, features, next_tokens, meta, limits, sampling, steps, k, sampled):
+    def _chain(self, cache, features, next_tokens, meta, limits, sampling, sample_index, k,
+               sampled):
         return self._chain_jit(self.params, cache, features, next_tokens, meta, limits, sampling,
-                               steps, k, sampled)
+                               sample_index, k, sampled)
 
     def _last_pending(self, seq: SeqState) -> int:
         return seq.num_computed  # rows t < n: the feature of x_n comes with the next verify

@@ -22,9 +22,10 @@ usual case); pass it (static) when `parents` is traced. The tree functions retur
 the chain rules' `tokens` layout. The accepted nodes' cache entries sit at their tree slots: the
 engine must move them to contiguous positions len+1..len+n (the root's stays at len).
 
-Sampled rules take one PRNG key (one draw for the whole batch) or keys [B], one per row (e.g.
-`sampling.row_keys(seeds, steps)`: with threefry keys a row's draws then ignore its batch
-neighbours). Each rule makes a single random draw (uniforms, used as Gumbel noise too).
+Sampled rules take one PRNG key (one draw for the whole batch) or keys [B], one per row (the
+verify stream, `sampling.verify_keys(seeds, sample_index)`: with threefry keys a row's draws
+then ignore its batch neighbours). Each rule makes a single random draw (uniforms, used as
+Gumbel noise too).
 Probabilities are those of the row's sampling distribution (after temperature / top-k / top-p);
 a greedy row can pass one-hot probabilities. A deterministic proposer (n-gram, or a draft model
 run greedily) must pass `draft_probs = one_hot(draft_tokens)`: point-mass proposals keep the rule
@@ -37,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.sampling import SamplingArrays, row_keys, warp_logits
+from infer.sampling import SamplingArrays, sampling_probs, verify_keys
 
 _TINY = float(np.finfo(np.float32).tiny)
+
 
 def verify_greedy(target_logits: jax.Array, draft_tokens: jax.Array,
                   num_draft: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -181,21 +183,20 @@ def _uniform(key: jax.Array, batch: int, shape: tuple[int, ...]) -> jax.Array:
 
 
 def verify_chain(logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
-                 draft_probs: jax.Array | None, sampling: SamplingArrays, steps: jax.Array
+                 draft_probs: jax.Array | None, sampling: SamplingArrays, sample_index: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
     """Verifies each row with its own rule: greedy rows by argmax, sampled rows by rejection
     sampling against their sampling distribution (temperature, top-k, top-p applied to the
-    target's logits). Deterministic proposals (draft_probs None) are point masses."""
+    target's logits), with the verify stream's key of `sample_index` [B] (the row's tokens
+    sampled before this step). Deterministic proposals (draft_probs None) are point masses."""
     n_greedy, greedy = verify_greedy(logits, draft_tokens, num_draft)
 
     def sampled(_):
-        b, t, v = logits.shape
-        rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
-        p = jax.nn.softmax(warp_logits(logits.reshape(b * t, v), rows), axis=-1).reshape(b, t, v)
+        p = sampling_probs(logits, sampling)
+        v = logits.shape[-1]
         q = jax.nn.one_hot(draft_tokens, v, dtype=p.dtype) if draft_probs is None else draft_probs
-        # Keys of their own: the plain sampler draws token `step` with row_keys(seed, step).
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x5EC))(row_keys(sampling.seeds, steps))
-        n, out = verify_sampled(p, q, draft_tokens, num_draft, keys)
+        n, out = verify_sampled(p, q, draft_tokens, num_draft,
+                                verify_keys(sampling.seeds, sample_index))
         use = sampling.temperature > 0
         return jnp.where(use, n, n_greedy), jnp.where(use[:, None], out, greedy)
 

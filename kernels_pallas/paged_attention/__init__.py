@@ -26,10 +26,8 @@ Quantized storage formats are `kernels_pallas.kv_quant`'s.
 """
 
 from kernels_pallas.paged_attention.api import paged_attention, paged_prefill_attention
-from kernels_pallas.paged_attention.reference import (
-    paged_attention_reference,
-    paged_prefill_attention_reference,
-)
+from kernels_pallas.paged_attention.reference import (paged_attention_reference,
+                                                      paged_prefill_attention_reference)
 
 __all__ = ["paged_attention", "paged_prefill_attention", "paged_attention_reference",
            "paged_prefill_attention_reference"]

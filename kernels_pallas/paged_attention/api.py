@@ -29,7 +29,6 @@ from kernels_pallas.kv_quant import check_kv_format, scale_groups, storage_dtype
 from kernels_pallas.paged_attention.gpu import call_gpu
 from kernels_pallas.paged_attention.tpu import call_tpu
 
-
 # ---------------------------------------------------------------------------------------------
 # Shared wrapper: [B, T, H, D] queries, T >= 1.
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from infer.cache.page_allocator import OutOfPages, PageAllocator, SequencePages
+from infer.cache.page_allocator import OutOfPages, PageAllocator, SequencePages, page_tables
 
 
 def snapshot(alloc: PageAllocator) -> tuple:
@@ -279,17 +278,33 @@ def test_truncate_drops_reserved_but_unwritten_pages():
     assert seq.pages == [0, 1] and alloc.num_free() == 6
 
 
-def test_page_table_array():
+def test_page_tables():
+    """Zero-padded rows; a sequence's pages past the width are left out (the metadata's write
+    check refuses a write that needs them); `row_of` places sequence i in row row_of[i]."""
     alloc = PageAllocator(8, 2)
     a, b, c = seq_with(alloc, 5), seq_with(alloc, 1), alloc.new_sequence()
-    table = alloc.page_table_array([a, b, c], width=4, pad_page=7)
+    table = page_tables([a, b, c], 3, 4)
     assert table.dtype == np.int32 and table.shape == (3, 4)
-    assert table.tolist() == [[0, 1, 2, 7], [3, 7, 7, 7], [7, 7, 7, 7]]
-    assert alloc.page_table_array([], width=4).shape == (0, 4)
-    with pytest.raises(ValueError, match="width 2"):
-        alloc.page_table_array([a], width=2)
-    with pytest.raises(ValueError, match="num_pages=8"):
-        alloc.page_table_array([a], width=4, pad_page=8)
+    assert table.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [0, 0, 0, 0]]
+    assert page_tables([], 2, 4).tolist() == [[0] * 4] * 2
+    assert page_tables([a], 1, 2).tolist() == [[0, 1]]
+    assert page_tables([a, b], 4, 3, row_of=[3, 1]).tolist() == [
+        [0, 0, 0], [3, 0, 0], [0, 0, 0], [0, 1, 2]]
+    with pytest.raises(ValueError, match="row_of has 1 rows for 2 sequences"):
+        page_tables([a, b], 4, 3, row_of=[0])
+
+
+def test_mark_computed_moves_forward_within_the_pages_held():
+    alloc = PageAllocator(8, 4)
+    seq = seq_with(alloc, 3)
+    alloc.reserve(seq, 6)
+    seq.mark_computed(6)
+    assert seq.num_tokens == 6
+    with pytest.raises(ValueError, match=r"must be in \[6, 8\]"):
+        seq.mark_computed(9)  # past the two pages held
+    with pytest.raises(ValueError, match=r"must be in \[6, 8\]"):
+        seq.mark_computed(5)  # backwards: truncate's job
+    assert seq.num_tokens == 6
 
 
 # -- stateful model check -------------------------------------------------------------------------

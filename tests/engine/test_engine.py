@@ -1,6 +1,6 @@
 """The serving engine end to end on real weights and on a tiny model: exactness under batching,
 preemption and policies, seeds, streaming callbacks, aborts, bad input, and the compile counter
-that tests/test_warmup.py relies on."""
+that tests/engine/test_warmup.py relies on."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_policies_and_preemption_do_not_change_outputs(tiny_model) -> None:
 
 
 def test_compile_counter_sees_compilations(tiny_model) -> None:
-    """The counter tests/test_warmup.py relies on does count: an engine not warmed up
+    """The counter tests/engine/test_warmup.py relies on does count: an engine not warmed up
     compiles."""
     engine = tiny_engine(tiny_model, max_num_seqs=2, max_prefill_tokens=32)
     with CompileCounter() as compiles:

@@ -15,7 +15,7 @@ from flax import nnx
 
 from infer.engine.engine import Engine, EngineConfig
 from infer.engine.plan import StepPlan
-from infer.engine.request import FinishReason, Request
+from infer.engine.request import FinishReason, Request, RequestLimits
 from infer.llm import LLM
 from infer.model.config import get_config
 from infer.model.llama import Llama
@@ -119,6 +119,39 @@ def test_generate_queues_nothing_when_a_later_prompt_is_bad(tiny_model) -> None:
     outs = llm.generate(prompt_token_ids=[[1, 2], [3, 4]],
                         sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_a_request_is_validated_once(tiny_model, monkeypatch) -> None:
+    """The engine checks a request with the scheduler's limits and the vocabulary; the scheduler
+    does not check it again. A request made by hand (not through `make_request`) is still
+    refused by the scheduler, for what only it knows."""
+    import infer.engine.engine as engine_module
+    import infer.engine.scheduler as scheduler_module
+    calls = []
+    for module in (engine_module, scheduler_module):
+        check = module.validate_request
+        monkeypatch.setattr(module, "validate_request",
+                            lambda *a, _check=check, _m=module.__name__: calls.append(_m)
+                            or _check(*a))
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=2, max_model_len=64,
+                          page_size=4)
+    engine = llm.engine
+    assert engine.limits.implies(engine.scheduler.limits)
+    llm.generate(prompt_token_ids=[[1, 2], [3, 4]], sampling_params=SamplingParams(max_tokens=2))
+    assert calls == ["infer.engine.engine"] * 2
+    calls.clear()
+    by_hand = Request("hand", [1] * 60, SamplingParams(max_tokens=8), None)
+    with pytest.raises(ValueError, match="request 'hand': .*exceed max_model_len=64"):
+        engine.submit(by_hand)
+    assert calls == ["infer.engine.scheduler"] and not engine.has_unfinished()
+
+
+def test_request_limits_implies() -> None:
+    tight = RequestLimits(vocab_size=10, max_model_len=32, pool_tokens=64)
+    loose = RequestLimits(max_model_len=64, pool_tokens=64)
+    assert tight.implies(loose) and tight.implies(RequestLimits()) and tight.implies(tight)
+    assert not loose.implies(tight)  # no vocabulary check, a longer context
+    assert not RequestLimits(vocab_size=10).implies(loose)
 
 
 def test_prompts_are_tokenized_once(smollm2) -> None:

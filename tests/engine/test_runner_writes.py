@@ -1,7 +1,7 @@
 """Writes outside the cache fail loudly: the runner, the model proposers and eager cache writes
 check on the host that every write lies in slots the row owns, and raise ValueError naming the
-row and the slots. (Tree speculation's check: tests/test_tree_speculation.py; the paged
-cache's own: tests/test_paged_cache.py.)"""
+row and the slots. (Tree speculation's check: tests/spec/test_tree.py; the paged
+cache's own: tests/cache/test_paged.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
 from infer.cache.page_allocator import SequencePages
-from infer.engine.plan import PrefillChunk, SeqState, Status, StepPlan
+from infer.engine.plan import PrefillChunk, SeqState, StepPlan
 from infer.engine.request import Request
 from infer.engine.runner import Runner, RunnerConfig
 from infer.model.config import get_config
@@ -30,7 +30,7 @@ def seq(prompt: list[int], pages: list[int], num_computed: int, request_id: str 
         ) -> SeqState:
     request = Request(request_id, prompt, SamplingParams(), None)
     return SeqState(request=request, pages=SequencePages(4, list(pages), num_computed),
-                    status=Status.RUNNING, num_computed=num_computed)
+                    admitted_at=0)
 
 
 def test_contiguous_write_past_max_len_raises_eagerly() -> None:

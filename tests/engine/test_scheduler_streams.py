@@ -16,7 +16,7 @@ import pytest
 
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.prefix_cache import PrefixCache
-from infer.engine.plan import Status
+from infer.engine.plan import SeqState, Status
 from infer.engine.request import FinishReason, Request
 from infer.engine.scheduler import Scheduler, SchedulerConfig
 from infer.sampling_params import SamplingParams
@@ -39,6 +39,29 @@ def check_pages(sched: Scheduler, cache: PrefixCache | None) -> None:
     cached = len(cache) if cache is not None else 0
     held_only = sum(1 for p in holders if cache is None or p not in cache._nodes)
     assert allocator.num_free() + cached + held_only == allocator.num_pages
+
+
+def check_states(sched: Scheduler, seqs: list[SeqState]) -> None:
+    """One counter and one finished state: a sequence's cached count (its pages' count) never
+    exceeds the slots it holds nor its tokens; a waiting one has none; its status follows its
+    request (FINISHED exactly when the request has a finish reason) and the queue it is in;
+    a finished one holds no page and is forgotten."""
+    running, waiting = set(map(id, sched.running)), set(map(id, sched.waiting))
+    for seq in seqs:
+        assert seq.num_computed == seq.pages.num_tokens
+        assert 0 <= seq.num_computed <= seq.pages.capacity, (seq.num_computed, seq.pages)
+        assert seq.num_computed <= seq.num_tokens
+        assert seq.finished == seq.request.finished
+        if seq.request.finished:
+            assert seq.status == Status.FINISHED
+            assert not seq.pages.pages and seq.num_computed == 0
+            assert id(seq) not in running and id(seq) not in waiting
+            assert seq.request.request_id not in sched.seqs
+        elif id(seq) in running:
+            assert seq.status == Status.RUNNING and id(seq) not in waiting
+        else:
+            assert seq.status == Status.WAITING and id(seq) in waiting
+            assert seq.num_computed == 0
 
 
 def run_stream(seed: int) -> dict[str, int]:
@@ -72,12 +95,13 @@ def run_stream(seed: int) -> dict[str, int]:
 
     pending = [new_request(i) for i in range(rng.randint(1, 8))]
     requests: list[Request] = []
+    seqs: list[SeqState] = []
     budget = 0
     steps = 0
     while pending or sched.has_unfinished():
         if pending and (not sched.has_unfinished() or rng.random() < 0.3):
             request = pending.pop(0)
-            sched.add(request)
+            seqs.append(sched.add(request))
             requests.append(request)
             budget += len(request.prompt_token_ids) + request.params.max_tokens
         if not pending:
@@ -88,6 +112,7 @@ def run_stream(seed: int) -> dict[str, int]:
         plan = sched.schedule()
         sched.postprocess(plan, runner.execute(plan))
         check_pages(sched, cache)
+        check_states(sched, seqs)
         steps += 1
         # A preempted request recomputes what it had, so work is bounded by a multiple of the
         # tokens asked for; a livelock or a stall runs past it.
@@ -99,6 +124,7 @@ def run_stream(seed: int) -> dict[str, int]:
             assert len(r.output_ids) == r.params.max_tokens, (seed, r.request_id)
     assert not sched.seqs and not sched.running and not sched.waiting
     check_pages(sched, cache)
+    check_states(sched, seqs)
     if cache is not None:
         cache.check_invariants()
         cache.evict(num_pages)

@@ -92,13 +92,13 @@ def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
         speculative=spec, **options))
     engine.warmup()
     verified = []  # (rows, tokens) of each verify step, to check the run reached the edge case
-    verify_step = engine.runner.steps.verify_step
+    verify_step = engine.runner.device_steps.verify_step
 
     def recording(cache, tokens, *args):
         verified.append(tokens.shape)
         return verify_step(cache, tokens, *args)
 
-    engine.runner.steps.verify_step = recording
+    engine.runner.device_steps.verify_step = recording
     prompts, params = workload(seed=6)
     with CompileCounter() as compiles:
         for p, sp in zip(prompts, params):

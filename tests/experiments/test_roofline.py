@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.roofline import (
-    attainable_flops,
-    cache_len,
-    decode_intensity_limit,
-    exact_ridge_batch,
-    first_above,
-    matmul_weights,
-    ridge_intensity,
-    step_bytes,
-    step_flops,
-    step_time_knee,
-)
+from experiments.roofline import (attainable_flops, cache_len, decode_intensity_limit,
+                                  exact_ridge_batch, first_above, matmul_weights, ridge_intensity,
+                                  step_bytes, step_flops, step_time_knee)
 from infer.model.config import get_config
 
 # tiny: V=512, E=64, F=128, L=2, H=4, K=2, D=16, tied embeddings.

@@ -34,7 +34,7 @@ def test_cost_model_matches_the_lesson() -> None:
 
 def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> None:
     model = Llama(CONFIG, jnp.float32, nnx.Rngs(0))
-    # Small embeddings for varied greedy text (see test_tree_speculation).
+    # Small embeddings for varied greedy text (see tests/spec/test_tree.py).
     model.embed.set_value(model.embed.get_value() * 0.05)
     rng = np.random.default_rng(0)
     # Prompts that repeat themselves, so prompt lookup has something to propose.

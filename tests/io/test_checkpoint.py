@@ -9,14 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from infer.io.checkpoint import (
-    GGUFTokenizerData,
-    HFTokenizerDir,
-    read_checkpoint,
-    read_gguf,
-    read_hf_dir,
-    smollm2_gguf_path,
-)
+from infer.io.checkpoint import (GGUFTokenizerData, HFTokenizerDir, read_checkpoint, read_gguf,
+                                 read_hf_dir, smollm2_gguf_path)
 from infer.model.config import PRESETS, LlamaConfig
 
 torch = pytest.importorskip("torch")

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.io import loader
 from infer.engine.simple_loop import validate_prompts
+from infer.io import loader
 from infer.io.loader import load, resolve_path
 from infer.model.config import get_config
 from infer.sampling_params import SamplingParams

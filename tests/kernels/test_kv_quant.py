@@ -7,19 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas.kv_quant import (
-    KV_FORMAT_ALIASES,
-    SCALE_DTYPE,
-    SUPPORTED_KV_FORMATS,
-    bytes_per_token_per_head,
-    dequantize,
-    dequantize_planes,
-    quantize,
-    resolve_kv_format,
-    scale_groups,
-    storage_dtype,
-    stored_head_dim,
-)
+from kernels_pallas.kv_quant import (KV_FORMAT_ALIASES, SCALE_DTYPE, SUPPORTED_KV_FORMATS,
+                                     bytes_per_token_per_head, dequantize, dequantize_planes,
+                                     quantize, resolve_kv_format, scale_groups, storage_dtype,
+                                     stored_head_dim)
 
 D = 64
 

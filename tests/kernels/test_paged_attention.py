@@ -15,12 +15,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS, dequantize, quantize
-from kernels_pallas.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    paged_prefill_attention,
-    paged_prefill_attention_reference,
-)
+from kernels_pallas.paged_attention import (paged_attention, paged_attention_reference,
+                                            paged_prefill_attention,
+                                            paged_prefill_attention_reference)
 
 D = 64
 K = 2

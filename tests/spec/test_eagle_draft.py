@@ -15,13 +15,8 @@ from infer.cache.metadata import AttentionMetadata
 from infer.io.tensors import named_params
 from infer.model.config import get_config
 from infer.model.llama import Llama, rope_frequencies
-from infer.spec.draft_model import (
-    DRAFT_CONFIG,
-    draft_own_params,
-    load_draft,
-    save_draft,
-    self_draft,
-)
+from infer.spec.draft_model import (DRAFT_CONFIG, draft_own_params, load_draft, save_draft,
+                                    self_draft)
 from infer.spec.eagle_head import EagleHead, eagle_logits, load_eagle, save_eagle
 from infer.spec.training import distill_loss, eagle_loss
 

@@ -1,6 +1,6 @@
 """Sampled speculative decoding in the serving engine keeps the target's distribution.
 
-tests/test_speculative.py checks the verification rules on their own; here the whole engine runs
+tests/spec/test_verify.py checks the verification rules on their own; here the whole engine runs
 (proposer, scheduler, runner, verify step, rollback), and the joint law of each request's first
 three tokens is compared, by a chi-square test, with the exact law of plain sampling, computed
 from the target's logits with the sampler's own warp (temperature, top-k, top-p). Three tokens,

@@ -1,5 +1,6 @@
-"""EAGLE tree and chain speculation: greedy output equals plain greedy decoding, and the caches
-after a step are what plain passes over the accepted tokens write.
+"""EAGLE tree and chain speculation: greedy output equals plain greedy decoding, sampled output
+honours the request's top-k, and the caches after a step are what plain passes over the
+accepted tokens write.
 
 "Plain greedy" is checked by one teacher-forced pass (every generated token is the target's
 argmax after the tokens before it), which compiles one program per model where a decoding
@@ -20,17 +21,14 @@ from flax import nnx
 
 from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
+from infer.engine.device_steps import DeviceSteps
+from infer.engine.simple_loop import generate
 from infer.io.tensors import assign_params, named_params
 from infer.model.config import get_config
 from infer.model.llama import Llama
+from infer.sampling_params import SamplingParams
 from infer.spec.eagle_head import EagleHead
-from infer.spec.tree import (
-    PlainGenerator,
-    TreeSpeculator,
-    eagle_generate,
-    full_tree,
-    plain_generate,
-)
+from infer.spec.tree import TreeSpeculator, eagle_generate, full_tree, tree_generate
 
 CONFIG = get_config("tiny")
 
@@ -65,16 +63,29 @@ def oracle() -> tuple[Llama, EagleHead]:
 
 
 @pytest.fixture(scope="module")
-def speculators(tiny, oracle) -> Callable[[str, int, int], TreeSpeculator]:
+def device_steps(tiny, oracle) -> Callable[[str], DeviceSteps]:
+    """device_steps(models): one DeviceSteps per target, shared by the plain baseline and every
+    speculator over that target (which then binds it once)."""
+    built: dict[str, DeviceSteps] = {}
+
+    def get(models: str) -> DeviceSteps:
+        if models not in built:
+            built[models] = DeviceSteps((tiny if models == "random" else oracle)[0])
+        return built[models]
+    return get
+
+
+@pytest.fixture(scope="module")
+def speculators(tiny, oracle, device_steps) -> Callable[[str, int, int], TreeSpeculator]:
     """speculators(models, branches, depth): the module's TreeSpeculator over `tiny` ("random")
     or `oracle` models with caches of MAX_LEN, built on first use and then shared."""
     built: dict[tuple[str, int, int], TreeSpeculator] = {}
 
     def get(models: str, branches: int, depth: int) -> TreeSpeculator:
         if (models, branches, depth) not in built:
-            target, head = tiny if models == "random" else oracle
-            built[models, branches, depth] = TreeSpeculator(target, head, branches, depth,
-                                                            MAX_LEN)
+            head = (tiny if models == "random" else oracle)[1]
+            built[models, branches, depth] = TreeSpeculator(device_steps(models), head,
+                                                            branches, depth, MAX_LEN)
         return built[models, branches, depth]
     return get
 
@@ -105,34 +116,39 @@ def _is_greedy(target: Llama, prompt: list[int], generated: list[int], width: in
 
 @pytest.mark.parametrize("models,branches,depth",
                          [("random", 2, 3), ("oracle", 2, 3), ("oracle", 1, 3)])
-def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators, models,
-                                                        branches, depth) -> None:
+def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators, device_steps,
+                                                        models, branches, depth) -> None:
     target = (tiny if models == "random" else oracle)[0]
-    got, stats = speculators(models, branches, depth).generate(PROMPT, 40)
+    got, stats = tree_generate(speculators(models, branches, depth), PROMPT, 40)
     assert len(got) == 40 and len(set(got)) > 10  # the check is not about one repeated token
     assert _is_greedy(target, PROMPT, got)
+    # ... and equals the simple loop's greedy decoding on the same DeviceSteps.
+    plain, _ = generate(device_steps(models), PROMPT, 40)
+    assert got == plain
     # Steps emitted the 39 tokens after the first, the last step perhaps a few more.
     assert 0 <= stats["accepted"] + stats["verify_steps"] - 39 <= depth
     if models == "oracle":  # most drafts accepted: deep paths went through every part of a step
         assert stats["mean_accepted"] > 1.0
 
 
-def test_plain_generate_is_greedy_and_stops_at_eos(tiny, speculators) -> None:
-    got, _ = PlainGenerator(tiny[0], MAX_LEN).generate(PROMPT, 20)
-    assert _is_greedy(tiny[0], PROMPT, got)
-    tree, _ = speculators("random", 2, 3).generate(PROMPT, 20, eos_ids=[got[5]])
-    assert tree == got[:got.index(got[5]) + 1]
+def test_plain_is_greedy_and_both_stop_at_eos(tiny, speculators, device_steps) -> None:
+    got, stats = generate(device_steps("random"), PROMPT, 20)
+    assert _is_greedy(tiny[0], PROMPT, got) and stats["verify_steps"] == 19
+    stop = got.index(got[5]) + 1
+    plain, _ = generate(device_steps("random"), PROMPT, 20, eos_ids=[got[5]])
+    tree, _ = tree_generate(speculators("random", 2, 3), PROMPT, 20, eos_ids=[got[5]])
+    assert tree == plain == got[:stop]
 
 
 def test_the_functions_keep_nothing_alive() -> None:
-    """`eagle_generate` and `plain_generate` build their programs per call and drop them (and
-    the models) after it: a process-wide cache kept every speculator, its models and their
-    compiled programs alive for good."""
+    """`eagle_generate` and the simple loop's `generate` build their programs per call and drop
+    them (and the models) after it: a process-wide cache kept every speculator, its models and
+    their compiled programs alive for good."""
     config = CONFIG.replace(num_layers=1)
     target, head = Llama(config, jnp.float32, nnx.Rngs(4)), EagleHead(config, jnp.float32,
                                                                        nnx.Rngs(5))
     target.embed.set_value(target.embed.get_value() * 0.05)
-    plain, _ = plain_generate(target, PROMPT, 6, max_len=64)
+    plain, _ = generate(target, PROMPT, 6)
     chain, _ = eagle_generate(target, head, PROMPT, 6, branches=1, depth=1, max_len=64)
     assert chain == plain
     alive = [weakref.ref(target), weakref.ref(head)]
@@ -143,10 +159,68 @@ def test_the_functions_keep_nothing_alive() -> None:
 
 def test_sampled_at_low_temperature_is_greedy(oracle, speculators) -> None:
     """The sampled rule with a near-point-mass target emits the greedy tokens (a smoke test of
-    the sampled path; its exactness is tested in test_speculative)."""
+    the sampled path; its exactness is tested in test_speculative). The oracle's two best
+    logits are 1.8e-5 apart at one of these positions: at temperature 1e-4 the runner-up has
+    probability 0.45 there, at 1e-6 about 1e-8."""
     target, _ = oracle
-    got, stats = speculators("oracle", 2, 3).generate(PROMPT, 24, temperature=1e-4, seed=3)
+    got, stats = tree_generate(speculators("oracle", 2, 3), PROMPT, 24,
+                               SamplingParams(temperature=1e-6, seed=3))
     assert _is_greedy(target, PROMPT, got) and stats["mean_accepted"] > 1.0
+
+
+def _top_ranks(target: Llama, prompt: list[int], generated: list[int], width: int = 64
+               ) -> np.ndarray:
+    """The rank of each generated token in the target's logits after the tokens before it
+    (0: the argmax), from one teacher-forced pass."""
+    c, tokens = target.config, prompt + generated[:-1]
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(tokens)] = tokens
+    cache = KVCache.create(c.num_layers, 1, width, c.num_kv_heads, c.head_dim)
+    logits, _, _ = _forward(target, jnp.asarray(padded), cache,
+                            AttentionMetadata.for_prefill([len(tokens)], width))
+    logits = np.asarray(logits[0, len(prompt) - 1:len(tokens)])
+    mine = logits[np.arange(len(generated)), generated]
+    return (logits > mine[:, None]).sum(-1)
+
+
+def test_sampled_tree_honours_top_k(tiny, speculators) -> None:
+    """At temperature 1 the random target is near uniform over 512 tokens: without top-k the
+    tree's sampled output is almost never a top-2 token, with top_k=2 it always is (the first
+    token from the prefill, the others from the sampled tree rule), over many seeds. The tree
+    used to take a bare temperature and ignore top-k and top-p."""
+    target, spec = tiny[0], speculators("random", 2, 2)
+    ranks_free = np.concatenate([
+        _top_ranks(target, PROMPT, tree_generate(spec, PROMPT, 8,
+                                                 SamplingParams(temperature=1.0, seed=s))[0])
+        for s in range(3)])
+    assert (ranks_free >= 2).mean() > 0.5
+    for seed in range(12):
+        got, _ = tree_generate(spec, PROMPT, 8, SamplingParams(temperature=1.0, top_k=2,
+                                                                seed=seed))
+        assert (_top_ranks(target, PROMPT, got) < 2).all(), (seed, got)
+
+
+def test_sampled_tree_with_top_k_1_is_greedy(oracle, speculators) -> None:
+    """top_k=1 makes the sampling distribution a point mass on the argmax: the sampled tree
+    rule must then emit exactly the greedy tokens, at any temperature and seed."""
+    spec = speculators("oracle", 2, 3)
+    greedy, _ = tree_generate(spec, PROMPT, 16)
+    for seed in range(3):
+        got, _ = tree_generate(spec, PROMPT, 16, SamplingParams(temperature=5.0, top_k=1,
+                                                                 seed=seed))
+        assert got == greedy
+
+
+def test_sampled_tree_first_token_is_the_simple_loops(speculators, device_steps) -> None:
+    """The tree's prompt goes through `DeviceSteps.prefill_step`, drawing the first token from
+    the token stream like plain sampling: the same seed gives the same first token."""
+    spec = speculators("random", 2, 2)
+    assert spec.params[0] is device_steps("random").params  # bound once
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+        tree, _ = tree_generate(spec, PROMPT, 1, params)
+        plain, _ = generate(device_steps("random"), PROMPT, 1, params)
+        assert tree == plain
 
 
 def _plain_caches(target: Llama, head: EagleHead, tokens: list[int], max_len: int
@@ -176,7 +250,7 @@ def test_cache_after_a_step_equals_a_plain_pass(tiny, speculators) -> None:
     target, head = tiny
     # Greedy tokens (checked above): x_n, the three the tree holds, the bonus, ...
     spec = speculators("random", 2, 3)
-    ref = spec.generate(PROMPT, 12)[0]
+    ref = tree_generate(spec, PROMPT, 12)[0]
     state = spec.prefill(PROMPT)
     assert int(state.root) == ref[0]
     state = dataclasses.replace(state, head_cache=spec.draft(state)[1])  # as `step` would

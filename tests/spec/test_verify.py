@@ -14,14 +14,8 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from infer.spec.ngram import NgramIndex, propose_ngram
-from infer.spec.verify import (
-    path_tokens,
-    tree_depth,
-    verify_greedy,
-    verify_sampled,
-    verify_tree_greedy,
-    verify_tree_sampled,
-)
+from infer.spec.verify import (path_tokens, tree_depth, verify_greedy, verify_sampled,
+                               verify_tree_greedy, verify_tree_sampled)
 
 ALPHA = 1e-3  # false-alarm rate of every chi-square test here
 V, K, ROWS, ROOT = 6, 3, 40_000, 0

@@ -1,0 +1,68 @@
+"""The pieces the experiment scripts share: flags to `run` arguments, the request generator, the
+held-out split and the trainers' batches."""
+
+from __future__ import annotations
+
+import numpy as np
+from absl import flags
+
+from experiments.common import flag_kwargs
+from experiments.training import batches
+from experiments.workloads import pareto_lengths, poisson_pareto, split_heldout
+
+
+def test_flag_kwargs_converts_list_flags_to_the_annotation_and_skips_the_rest() -> None:
+    fv = flags.FlagValues()
+    flags.DEFINE_list("sizes", ["1", "8"], "", flag_values=fv)
+    flags.DEFINE_list("temps", ["0", "0.7"], "", flag_values=fv)
+    flags.DEFINE_list("pair", ["3", "4"], "", flag_values=fv)
+    flags.DEFINE_list("names", ["a", "b"], "", flag_values=fv)
+    flags.DEFINE_string("out", "x.jsonl", "", flag_values=fv)
+    flags.DEFINE_integer("unused", 0, "", flag_values=fv)
+    fv(["prog", "--sizes=2,4"])
+
+    def run(*, sizes: list[int], temps: list[float], pair: tuple[int, int], names: list[str],
+            out: str, loaded=None) -> None:
+        pass
+
+    assert flag_kwargs(run, fv) == {"sizes": [2, 4], "temps": [0.0, 0.7], "pair": (3, 4),
+                                    "names": ["a", "b"], "out": "x.jsonl"}
+
+
+def test_requests_are_deterministic_and_within_limits() -> None:
+    kw = dict(num_requests=300, rate=2.0, prompt_min=8, prompt_max=200, output_shape=1.5,
+              output_scale=10, output_cap=100)
+    a = poisson_pareto(np.random.default_rng(1), **kw)
+    b = poisson_pareto(np.random.default_rng(1), **kw)
+    assert all((x == y).all() for x, y in zip(a, b))
+    arrivals, prompts, outputs = a
+    assert (np.diff(arrivals) >= 0).all() and arrivals[0] > 0
+    assert prompts.min() >= 8 and prompts.max() <= 200
+    assert outputs.min() >= 10 and outputs.max() <= 100  # Pareto's minimum is its scale
+    _, prompts, outputs = poisson_pareto(np.random.default_rng(1), **kw, prompt_dist="lognormal",
+                                         prompt_median=64, prompt_sigma=1.0, max_model_len=128)
+    assert (prompts + outputs <= 128).all() and outputs.min() >= 1
+    up = pareto_lengths(np.random.default_rng(2), 50, 1.5, 10, 1000, round_up=True)
+    down = pareto_lengths(np.random.default_rng(2), 50, 1.5, 10, 1000)
+    assert ((up - down >= 0) & (up - down <= 1)).all()
+
+
+def test_heldout_split_is_fixed_and_disjoint() -> None:
+    train, held = split_heldout(50)
+    again_train, again_held = split_heldout(50)
+    assert (train == again_train).all() and (held == again_held).all()
+    assert len(held) == 5 and not set(train) & set(held)
+    assert sorted([*train, *held]) == list(range(50))
+    assert len(split_heldout(3)[1]) == 1  # at least one held out
+
+
+def test_batches_pad_the_last_one_with_empty_rows() -> None:
+    n, width = 5, 4
+    data = {"tokens": np.arange(n * width).reshape(n, width), "hidden": np.ones((n, width, 2)),
+            "lengths": np.full(n, width), "prompt_lens": np.ones(n, int)}
+    out = list(batches(data, [0, 1, 2], 2))
+    assert [b[0].shape for b in out] == [(2, width), (2, width)]
+    assert out[1][2].tolist() == [width, 0]  # the padding row has length 0
+    shuffled = list(batches(data, range(n), 2, np.random.default_rng(0)))
+    assert sorted(int(r[0]) for b in shuffled for r, length in zip(b[0], b[2]) if length) == [
+        0, 4, 8, 12, 16]
