@@ -100,18 +100,26 @@ MAX_LEN = 128
 _forward = nnx.jit(lambda model, *args: model(*args))
 
 
-def _is_greedy(target: Llama, prompt: list[int], generated: list[int], width: int = 64) -> bool:
-    """Whether each generated token is the target's argmax after all the tokens before it,
-    i.e. plain greedy decoding, checked with one teacher-forced pass (one compile per model,
-    where a decoding loop compiles two)."""
+def _top_ranks(target: Llama, prompt: list[int], generated: list[int], width: int = 64
+               ) -> np.ndarray:
+    """The rank of each generated token in the target's logits after the tokens before it
+    (0: the argmax), from one teacher-forced pass."""
     c, tokens = target.config, prompt + generated[:-1]
     padded = np.zeros((1, width), np.int32)
     padded[0, :len(tokens)] = tokens
     cache = KVCache.create(c.num_layers, 1, width, c.num_kv_heads, c.head_dim)
     logits, _, _ = _forward(target, jnp.asarray(padded), cache,
                             AttentionMetadata.for_prefill([len(tokens)], width))
-    argmax = np.asarray(logits[0, len(prompt) - 1:len(tokens)]).argmax(-1)
-    return argmax.tolist() == generated
+    logits = np.asarray(logits[0, len(prompt) - 1:len(tokens)])
+    mine = logits[np.arange(len(generated)), generated]
+    return (logits > mine[:, None]).sum(-1)
+
+
+def _is_greedy(target: Llama, prompt: list[int], generated: list[int]) -> bool:
+    """Whether each generated token is the target's argmax after all the tokens before it,
+    i.e. plain greedy decoding, checked with one teacher-forced pass (one compile per model,
+    where a decoding loop compiles two)."""
+    return bool((_top_ranks(target, prompt, generated) == 0).all())
 
 
 @pytest.mark.parametrize("models,branches,depth",
@@ -167,20 +175,6 @@ def test_sampled_at_low_temperature_is_greedy(oracle, speculators) -> None:
                                SamplingParams(temperature=1e-6, seed=3))
     assert _is_greedy(target, PROMPT, got) and stats["mean_accepted"] > 1.0
 
-
-def _top_ranks(target: Llama, prompt: list[int], generated: list[int], width: int = 64
-               ) -> np.ndarray:
-    """The rank of each generated token in the target's logits after the tokens before it
-    (0: the argmax), from one teacher-forced pass."""
-    c, tokens = target.config, prompt + generated[:-1]
-    padded = np.zeros((1, width), np.int32)
-    padded[0, :len(tokens)] = tokens
-    cache = KVCache.create(c.num_layers, 1, width, c.num_kv_heads, c.head_dim)
-    logits, _, _ = _forward(target, jnp.asarray(padded), cache,
-                            AttentionMetadata.for_prefill([len(tokens)], width))
-    logits = np.asarray(logits[0, len(prompt) - 1:len(tokens)])
-    mine = logits[np.arange(len(generated)), generated]
-    return (logits > mine[:, None]).sum(-1)
 
 
 def test_sampled_tree_honours_top_k(tiny, speculators) -> None:
