@@ -49,8 +49,23 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, rngs:
 
 
 def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
-    """einsum of activations with a weight, accumulating in float32 whatever the weight dtype."""
-    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    """einsum of activations with a weight, accumulating in float32 whatever the weight dtype.
+
+    A one-row product with 16-bit weights on CPU is padded to two rows: XLA:CPU sends a
+    one-row bfloat16 dot down a path that first converts the whole weight to float32 (the
+    [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took 31 ms, against 2.9 ms for two
+    rows; a decode step at batch 1 took 153 ms, against 17 ms padded). Float32 one-row products
+    are fast as they are, and accelerators are not affected."""
+    x = x.astype(w.dtype)
+    if _pads_single_rows(x, w):
+        padded = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
+        return jnp.einsum(equation, padded, w, preferred_element_type=jnp.float32)[:1]
+    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _pads_single_rows(x: jax.Array, w: jax.Array) -> bool:
+    return (math.prod(x.shape[:-1]) == 1 and x.ndim >= 2 and w.dtype.itemsize < 4
+            and jax.default_backend() == "cpu")
 
 
 class RMSNorm(nnx.Module):
