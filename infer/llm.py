@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import jax
+
 from infer.engine.engine import Engine, EngineConfig
 from infer.engine.request import RequestOutput
 from infer.io.loader import load
 from infer.io.tokenizer import Tokenizer
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
+from infer.platform import enable_compilation_cache
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 
@@ -24,6 +27,12 @@ class LLM:
     dtype: weights, "float32" or "bfloat16". kv_cache_dtype: "auto" (the weights' dtype) or a
     KV format (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4).
     scheduler: "continuous" or "static". attention_backend: "reference" or "pallas".
+
+    Compilation: each program (a decode batch size, a prefill chunk size, per attention window)
+    compiles at its first use, inside the call that needs it, and says so in one `infer:` log
+    line. `compilation_cache` (on unless the process already chose a directory) keeps compiled
+    programs on disk (`infer.platform.enable_compilation_cache`), so a later process loads them;
+    `warmup=True` compiles every program here instead, with a progress bar.
     """
 
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32",
@@ -31,7 +40,10 @@ class LLM:
                  scheduler: str = "continuous", enable_prefix_caching: bool = False,
                  attention_backend: str = "reference", speculative: dict | None = None,
                  max_model_len: int = 2048, max_prefill_tokens: int = 256,
-                 num_pages: int | None = None, static_max_wait_s: float = math.inf) -> None:
+                 num_pages: int | None = None, static_max_wait_s: float = math.inf,
+                 compilation_cache: bool = True, warmup: bool = False) -> None:
+        if compilation_cache and not jax.config.jax_compilation_cache_dir:
+            enable_compilation_cache()
         self.config, self.model, self.tokenizer = load(model, dtype)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
@@ -39,6 +51,8 @@ class LLM:
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig(**speculative) if speculative else None))
+        if warmup:
+            self.engine.warmup(progress=True)
 
     @classmethod
     def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,

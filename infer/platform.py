@@ -20,6 +20,19 @@ def configure_xla_cpu() -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
+def logger() -> logging.Logger:
+    """infer's logger ("infer"), at INFO. When the application has configured no logging, its
+    lines go to stderr as `infer: ...`; otherwise they reach the application's handlers."""
+    log = logging.getLogger("infer")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("infer: %(message)s"))
+        log.addHandler(handler)
+    return log
+
+
 def enable_compilation_cache(path: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache (default `~/.cache/infer/xla`, or
     $INFER_CACHE_DIR/xla): a second run of an experiment loads its compiled programs from disk

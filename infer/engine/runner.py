@@ -28,6 +28,7 @@ from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, pow
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.plan import PrefillChunk, SeqState, StepPlan
 from infer.model.llama import Llama
+from infer.platform import logger
 from infer.sampling import SamplingArrays
 from infer.sampling_params import is_integer
 from infer.spec.stats import SpeculationStats
@@ -86,6 +87,11 @@ class Shape:
     width: int  # page-table width in pages
     draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
 
+    def __str__(self) -> str:
+        probs = ", with draft probabilities" if self.draft_probs else ""
+        return (f"{self.kind} program: {self.rows} rows x {self.tokens} tokens, "
+                f"{self.width}-page tables{probs}")
+
 
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
@@ -97,6 +103,9 @@ class Runner:
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
         self.device_steps = DeviceSteps(model)
+        # Programs this process has run: the first run of any other compiles it (or loads it
+        # from the persistent cache) inside a user's step, and says so.
+        self.ready: set[Shape] = set()
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
@@ -135,6 +144,8 @@ class Runner:
              q_lens: np.ndarray, width: int, sample_index: np.ndarray
              ) -> tuple[list[int], jax.Array]:
         """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
+        rows, t = tokens.shape
+        self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width))
         sampled, _, hidden, self.cache = self.device_steps.prefill_step(
             self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, sample_index))
         return np.asarray(sampled).tolist(), hidden
@@ -195,6 +206,7 @@ class Runner:
             max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
         tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
                                                   sample_index)
+        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None))
         accepted, emitted, hidden, self.cache = self.device_steps.verify_step(
             self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
             sampling, index)
@@ -249,7 +261,14 @@ class Runner:
         return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
                 probs, sampling, index)
 
+    def _first_use(self, shape: Shape) -> None:
+        if shape not in self.ready:
+            self.ready.add(shape)
+            logger().info("compiling the %s (its first use in this process; Engine.warmup() "
+                          "compiles all %d ahead)", shape, len(self.shapes()))
+
     def _run_shape(self, shape: Shape) -> None:
+        self.ready.add(shape)
         args = self._dummy(shape)
         programs = self.device_steps
         step = programs.verify_step if shape.kind == "verify" else programs.prefill_step

@@ -1,0 +1,83 @@
+"""Start-up cost of `LLM(...)`: what a user waits for before the first token, compiling lazily
+(each program at its first use, announced) or ahead (`warmup=True`), with JAX's persistent
+compilation cache cold (a fresh directory) and warm (a second process on the same directory).
+
+  python -m experiments.startup --max_num_seqs=32 --max_model_len=2048
+
+Each measurement runs in a fresh process, so nothing compiled by an earlier one is in memory.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from experiments.common import define_resume_flag
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("modes", ["lazy", "warmup"], "lazy: compile at first use; warmup: in LLM()",
+                  flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 32, "batch slots (LLM's default)", flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 2048, "longest sequence (LLM's default)", flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 16, "tokens of each timed generate call", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/startup.jsonl", "JSONL output", flag_values=FLAGS)
+define_resume_flag(FLAGS)
+
+# What one measurement runs, in its own process; it prints one JSON line.
+_CHILD = """
+import json, sys, time
+from infer.platform import CompileCounter, configure_xla_cpu, enable_compilation_cache
+configure_xla_cpu()
+enable_compilation_cache(sys.argv[1])
+from infer import LLM, SamplingParams
+mode, dtype, seqs, model_len, tokens = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+params = SamplingParams(max_tokens=tokens, seed=0, ignore_eos=True)
+with CompileCounter() as compiled:
+    start = time.perf_counter()
+    llm = LLM(model="smollm2-135m", dtype=dtype, max_num_seqs=seqs, max_model_len=model_len,
+              warmup=mode == "warmup")
+    built = time.perf_counter()
+    llm.generate(["The capital of France is"], params)
+    first = time.perf_counter()
+    llm.generate(["The capital of France is"], params)
+    second = time.perf_counter()
+print(json.dumps({"llm_s": built - start, "first_generate_s": first - built,
+                  "second_generate_s": second - first, "programs": compiled.count}))
+"""
+
+
+def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
+        max_tokens: int, out: str, resume: bool = False) -> list[dict]:
+    """Rows per (mode, cache): seconds in LLM(), in the first generate call and in a second one,
+    and the programs made executable; the table from the file."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from experiments.common import ResultLog, markdown_table
+
+    log = ResultLog(out, resume=resume)
+    for mode in modes:
+        with tempfile.TemporaryDirectory() as cache_dir:
+            for cache in ("cold", "warm"):  # the second process finds the first one's programs
+                def measure() -> dict:
+                    done = subprocess.run(
+                        [sys.executable, "-c", _CHILD, cache_dir, mode, dtype, str(max_num_seqs),
+                         str(max_model_len), str(max_tokens)],
+                        capture_output=True, text=True, check=True)
+                    return json.loads(done.stdout.strip().splitlines()[-1])
+                log.measure({"experiment": "startup", "mode": mode, "cache": cache,
+                             "dtype": dtype, "max_num_seqs": max_num_seqs,
+                             "max_model_len": max_model_len, "max_tokens": max_tokens}, measure)
+    rows = log.rows()
+    print(markdown_table(rows, [("mode", "mode"), ("cache", "compilation cache"),
+                                ("llm_s", "LLM() s"), ("first_generate_s", "first generate s"),
+                                ("second_generate_s", "second generate s"),
+                                ("programs", "programs")]))
+    return rows
+
+
+if __name__ == "__main__":
+    from experiments.common import run_main
+    run_main(run, FLAGS)
