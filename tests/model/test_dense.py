@@ -12,7 +12,8 @@ import pytest
 from infer.model.llama import dense
 
 EQUATIONS = [("bte,ef->btf", (1, 1, 48), (48, 80)), ("btf,fe->bte", (1, 1, 80), (80, 48)),
-             ("...e,ve->...v", (1, 1, 48), (96, 48)), ("...e,ve->...v", (1, 48), (96, 48))]
+             ("...e,ve->...v", (1, 1, 48), (96, 48)), ("...e,ve->...v", (1, 48), (96, 48)),
+             ("...e,ve->...v", (48,), (96, 48))]  # a feature vector: the tree's root logits
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
