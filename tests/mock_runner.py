@@ -4,15 +4,17 @@ lost page, a wrong copy or a wrong rollback changes the tokens it computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 
 from infer.cache.page_allocator import PageAllocator
-from infer.engine.plan import SeqState, StepPlan
+from infer.engine.plan import InFlight, SeqState, StepPlan
 
 VOCAB = 97
 EOS = 0
+POISON = -2  # written where only a stale step writes
 
 
 def next_token(tokens: list[int]) -> int:
@@ -53,7 +55,34 @@ class PageReadingRunner:
         pages = seq.pages.pages
         return [int(self.kv[pages[p // self.g], p % self.g]) for p in range(n)]
 
-    def execute(self, plan: StepPlan) -> list[list[int]]:
+    def dispatch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
+        """Runs the plan when its tokens are asked for, as a device runs a step only after the
+        steps dispatched before it: a step planned ahead then finds the step it follows written
+        and its token appended (its `after` feed is that token, `last_token_id`)."""
+        assert plan.ahead == (after is not None)
+        if not plan.ahead:
+            return InFlight(plan, lambda: self.execute(plan))
+        # What the device would be given now: each row's pages and the slot it writes.
+        targets = [(list(s.pages.pages), s.num_computed + 1) for s in plan.decode]
+        return InFlight(plan, lambda: self.execute(plan, targets))
+
+    def execute(self, plan: StepPlan,
+                ahead_targets: list[tuple[list[int], int]] | None = None) -> list[list[int]]:
+        """`ahead_targets`: a step planned ahead, with each row's pages and slot at dispatch.
+        A row whose request finished or was aborted since still writes there, as the device
+        would: poison that any later read of the slot would turn into a wrong token."""
+        if ahead_targets is not None:
+            out = []
+            for seq, (pages, slot) in zip(plan.decode, ahead_targets):
+                if seq.status.value != "running":
+                    self.kv[pages[slot // self.g], slot % self.g] = POISON
+                    out.append([1])
+                    continue
+                # The step it followed has been postprocessed: its token is the one fed.
+                assert seq.num_computed == slot and seq.decode_ready, (seq.num_computed, slot)
+                out += self.execute(dataclasses.replace(plan, decode=[seq], draft_limits=[0],
+                                                        ahead=False))
+            return out
         # Gather before scattering: a copy's destination may be another copy's source.
         copies = [(dst, self.kv[src].copy()) for src, dst in plan.page_copies]
         for dst, data in copies:

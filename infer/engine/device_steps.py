@@ -48,6 +48,8 @@ class DeviceSteps:
 
         def prefill(params, cache, tokens, meta, sampling, sample_index):
             model = bind(params)
+            if tokens.ndim == 1:  # one token per row, as a step samples them: [B] -> [B, 1]
+                tokens = tokens[:, None]
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
             logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
             logits = logits[:, 0]
@@ -102,7 +104,9 @@ class DeviceSteps:
                      sampling: SamplingArrays, sample_index: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
         """Runs rows of new tokens [B, T] (padded past meta.q_lens) through the model, writing
-        their KV, and samples one token after each row's last valid token.
+        their KV, and samples one token after each row's last valid token. One token per row
+        may come as [B], the shape of the tokens it returns: a decode step fed the previous
+        step's tokens without their leaving the device.
 
         Returns (next tokens [B], logits at each row's last valid token [B, V], final hidden
         states at every position [B, T, E] (an EAGLE head's features), cache).

@@ -4,6 +4,8 @@
     sampled = self.runner.execute(plan)
     done = self.scheduler.postprocess(plan, sampled)
 
+(with async scheduling the next decode step is dispatched before `sampled` is read back).
+
 Requests may be added, stepped and aborted at any time; a per-request callback streams each
 request's outputs as its tokens arrive.
 """
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.prefix_cache import PrefixCache
 from infer.engine.buckets import MIN_WINDOW
-from infer.engine.metrics import StepRecord
+from infer.engine.metrics import StepRecord, StepTimes
+from infer.engine.plan import InFlight, StepPlan
 from infer.engine.request import Request, RequestOutput, validate_request
 from infer.engine.runner import Runner, RunnerConfig
 from infer.engine.scheduler import Scheduler, SchedulerConfig
@@ -49,6 +52,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = False
     min_window: int = MIN_WINDOW  # smallest attention window in tokens (RunnerConfig.min_window)
+    # Plan and dispatch the next decode step while the device runs this one (Engine.step).
+    async_scheduling: bool = True
     # A long-running engine's memory stays bounded: it keeps the latest step records and the
     # outputs of the latest finished requests only (consumers take them from step()).
     max_step_records: int = 65_536
@@ -113,6 +118,7 @@ class Engine:
         self._finished: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
         self._callbacks: dict[str, Callback] = {}
         self._next_id = 0
+        self._in_flight: InFlight | None = None  # a step dispatched ahead (async_scheduling)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -184,29 +190,46 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one device step; returns the outputs of the requests that
-        got a token (finished ones included)."""
+        """One step's tokens: its outputs, for the requests that got a token (finished ones
+        included).
+
+        With `async_scheduling`, while a decode step runs on the device the next one is planned
+        (`Scheduler.plan_ahead`) and dispatched before this step's tokens are read back, so the
+        host's planning, input building and output handling overlap the device's work; that
+        step's tokens are the next call's. A step planned ahead is one the engine would have
+        run anyway, so the tokens are the same either way."""
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if self.runner.proposer is not None:
-            # A recomputed request's pages will hold other data than its draft state saw.
-            for seq in plan.preempted:
-                self.runner.proposer.forget(seq.request.request_id)
+        self.runner.times = StepTimes()
+        pending, self._in_flight = self.scheduler.next_steps(
+            self._in_flight, self._dispatch, self.config.async_scheduling)
+        plan = pending.plan
         running = len(self.scheduler.running)  # requests holding a slot during this step
-        sampled = self.runner.execute(plan)
+        scheduled = time.perf_counter() - start - self.runner.times.inputs_s
+        sampled = pending.result()
+        executed = time.perf_counter()
         advanced = self.scheduler.postprocess(plan, sampled)
+        outputs = [seq.request.output() for seq in advanced]
+        for out in outputs:
+            self._notify(out)
         end = time.perf_counter()
+        times = self.runner.times
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
             active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),
             prefill_tokens=sum(len(c.token_ids) for c in plan.prefill),
             waiting=len(self.scheduler.waiting), free_pages=self.allocator.num_free(),
-            slot_utilization=running / self.config.max_num_seqs))
+            slot_utilization=running / self.config.max_num_seqs,
+            schedule_s=scheduled, inputs_s=times.inputs_s, device_s=times.device_s,
+            output_s=end - executed, planned_ahead=plan.ahead))
         self.num_steps += 1
-        outputs = [seq.request.output() for seq in advanced]
-        for out in outputs:
-            self._notify(out)
         return outputs
+
+    def _dispatch(self, plan: StepPlan, after: InFlight | None) -> InFlight:
+        if self.runner.proposer is not None:
+            # A recomputed request's pages will hold other data than its draft state saw.
+            for seq in plan.preempted:
+                self.runner.proposer.forget(seq.request.request_id)
+        return self.runner.dispatch(plan, after)
 
     def step_records(self, since: int = 0) -> list[StepRecord]:
         """The step records with index >= `since` (`num_steps` before a run: its steps).

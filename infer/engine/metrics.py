@@ -58,3 +58,20 @@ class StepRecord:
     waiting: int
     free_pages: int
     slot_utilization: float  # running / max_num_seqs: a static batch's finished rows idle
+    # Where the step's time went (seconds): planning it, building its device inputs on the
+    # host, from dispatch until its tokens were on the host, and advancing the requests and
+    # handing their outputs on. The rest (page copies, a proposer's drafts) is end - start
+    # minus these.
+    schedule_s: float = 0.0
+    inputs_s: float = 0.0
+    device_s: float = 0.0
+    output_s: float = 0.0
+    planned_ahead: bool = False  # dispatched before the step it follows was read back
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """The runner's share of one step's time, in seconds (see StepRecord)."""
+
+    inputs_s: float = 0.0
+    device_s: float = 0.0

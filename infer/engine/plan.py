@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING, Callable
 
 from infer.cache.page_allocator import SequencePages
 from infer.engine.request import Request
+
+if TYPE_CHECKING:
+    import jax
 
 
 class Status(enum.Enum):
@@ -88,3 +92,36 @@ class StepPlan:
     preempted: list[SeqState] = dataclasses.field(default_factory=list)
     decode_width: int = 0  # rows the decode batch occupies, padding included (static batches)
     draft_limits: list[int] = dataclasses.field(default_factory=list)  # per decode row
+    # Planned by `Scheduler.plan_ahead` while the step before it was in flight: each row feeds
+    # that step's token from the device, one slot past the sequence's computed tokens.
+    ahead: bool = False
+
+
+class InFlight:
+    """A dispatched step: its plan, and its tokens once the device has them (`result` blocks).
+
+    `feed` is the step's sampled tokens [rows] still on the device: the input of a decode step
+    over the same rows planned before these tokens reach the host (`Scheduler.plan_ahead`)."""
+
+    def __init__(self, plan: StepPlan, collect: Callable[[], list[list[int]]],
+                 feed: "jax.Array | None" = None) -> None:
+        self.plan = plan
+        self.feed = feed
+        self._collect: Callable[[], list[list[int]]] | None = collect
+        self._tokens: list[list[int]] = []
+
+    @classmethod
+    def done(cls, plan: StepPlan, tokens: list[list[int]]) -> "InFlight":
+        """A step whose tokens are already on the host."""
+        return cls(plan, lambda: tokens)
+
+    def result(self) -> list[list[int]]:
+        """The tokens of each prefill chunk, then of each decode row (`Runner.execute`)."""
+        if self._collect is not None:
+            self._tokens, self._collect = self._collect(), None
+        return self._tokens
+
+    def live(self) -> bool:
+        """Some sequence of the plan still runs (the others finished or were aborted since)."""
+        return any(s.status == Status.RUNNING
+                   for s in [c.seq for c in self.plan.prefill] + self.plan.decode)

@@ -17,6 +17,7 @@ row's page. The padding rules are `infer.engine.buckets`'.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import jax
@@ -26,7 +27,8 @@ from infer.cache.metadata import paged_metadata
 from infer.cache.paged import PagedKVCache, copy_pages
 from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
 from infer.engine.device_steps import DeviceSteps
-from infer.engine.plan import PrefillChunk, SeqState, StepPlan
+from infer.engine.metrics import StepTimes
+from infer.engine.plan import InFlight, PrefillChunk, SeqState, StepPlan
 from infer.model.llama import Llama
 from infer.platform import logger
 from infer.sampling import SamplingArrays
@@ -106,6 +108,7 @@ class Runner:
         # Programs this process has run: the first run of any other compiles it (or loads it
         # from the persistent cache) inside a user's step, and says so.
         self.ready: set[Shape] = set()
+        self.times = StepTimes()  # the latest step's
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
@@ -116,39 +119,66 @@ class Runner:
     def execute(self, plan: StepPlan) -> list[list[int]]:
         """Runs the plan; returns the tokens of each prefill chunk, then of each decode row
         (one, or with speculative decoding the accepted drafts and the target's token)."""
+        self.times = StepTimes()
+        return self.dispatch(plan).result()
+
+    def dispatch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
+        """Starts the plan's step on the device and returns at once for a plain decode step
+        (its tokens come with `result()`); other steps are done when this returns. A plan from
+        `Scheduler.plan_ahead` needs `after`, the step in flight it follows: its rows feed that
+        step's tokens."""
+        if plan.ahead != (after is not None):
+            raise ValueError("a step planned ahead runs after the step in flight it follows, "
+                             "and only such a step does")
         if plan.page_copies:
             src, dst = zip(*plan.page_copies)
             self.cache = copy_pages(self.cache, list(src), list(dst))
         if plan.kind == "prefill":
-            return [[t] for t in self._prefill(plan.prefill)]
+            return InFlight.done(plan, [[t] for t in self._prefill(plan.prefill)])
         if plan.kind == "decode":
             if self.proposer is not None and any(plan.draft_limits):
-                return self._speculate(plan.decode, plan.draft_limits, plan.decode_width)
-            return self._decode(plan.decode, plan.decode_width)
-        return []
+                return InFlight.done(plan, self._speculate(plan.decode, plan.draft_limits,
+                                                           plan.decode_width))
+            return self._decode(plan, after)
+        return InFlight.done(plan, [])
 
     def _inputs(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
-                q_lens: np.ndarray, width: int, sample_index: np.ndarray) -> tuple:
+                q_lens: np.ndarray, width: int, sample_index: np.ndarray,
+                feed: jax.Array | None = None) -> tuple:
         """Device arrays for one step, built on the host and moved by `jax.device_put`: eager
         jnp here (arithmetic, even `jnp.asarray`) would compile small programs of its own for
         every new shape, after warm-up. `sample_index` [rows]: each row's tokens sampled so far,
-        its position in its PRNG stream."""
+        its position in its PRNG stream. One token per row goes as [rows] (the step's sampled
+        tokens have that shape): `feed`, the tokens of a step still on the device, replaces
+        `tokens` then."""
         b, t = tokens.shape
         meta = paged_metadata([s.pages for s in seqs], b, width, cached, q_lens, t,
                               names=[s.label for s in seqs])
-        return (jax.device_put(tokens), meta,
-                SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
+        if feed is not None and feed.shape != (b,):
+            raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
+        tok = feed if feed is not None else jax.device_put(tokens[:, 0] if t == 1 else tokens)
+        return (tok, meta, SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
                 jax.device_put(sample_index))
 
-    def _run(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
-             q_lens: np.ndarray, width: int, sample_index: np.ndarray
-             ) -> tuple[list[int], jax.Array]:
-        """Sampled tokens and the final hidden states [rows, T, E] (a proposer's features)."""
+    def _dispatch(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
+                  q_lens: np.ndarray, width: int, sample_index: np.ndarray,
+                  feed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Starts one step; its sampled tokens [rows] and final hidden states [rows, T, E] (a
+        proposer's features), on the device."""
         rows, t = tokens.shape
         self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width))
-        sampled, _, hidden, self.cache = self.device_steps.prefill_step(
-            self.cache, *self._inputs(seqs, tokens, cached, q_lens, width, sample_index))
-        return np.asarray(sampled).tolist(), hidden
+        start = time.perf_counter()
+        inputs = self._inputs(seqs, tokens, cached, q_lens, width, sample_index, feed)
+        sampled, _, hidden, self.cache = self.device_steps.prefill_step(self.cache, *inputs)
+        self.times.inputs_s += time.perf_counter() - start
+        return sampled, hidden
+
+    def _wait(self, values: jax.Array) -> np.ndarray:
+        """`values` on the host, once the device has them: the time counts as the device's."""
+        start = time.perf_counter()
+        out = np.asarray(values)
+        self.times.device_s += time.perf_counter() - start
+        return out
 
     def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
         rows = len(chunks)
@@ -160,30 +190,41 @@ class Runner:
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
         sample_index = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
-        sampled, hidden = self._run([c.seq for c in chunks], tokens, cached, q_lens, width,
-                                    sample_index)
+        sampled, hidden = self._dispatch([c.seq for c in chunks], tokens, cached, q_lens, width,
+                                         sample_index)
+        sampled = self._wait(sampled).tolist()
         if self.proposer is not None:
             self.proposer.observe_prefill(chunks, hidden)
         return sampled[:rows]
 
-    def _decode(self, seqs: list[SeqState], width: int = 0) -> list[list[int]]:
-        """`width`: rows to compute at least (a static batch computes its finished rows too)."""
-        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
+    def _decode(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
+        """One token per row. A static batch computes its finished rows too: `decode_width`
+        rows at least. Planned ahead (`after`), each row sits one slot further than its
+        computed tokens and feeds the token `after` samples for it."""
+        seqs, ahead = plan.decode, int(after is not None)
+        rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
         # Pages reserved for drafts that were then not proposed count too: the table holds them.
-        width = self.config.window_for(max(max(s.num_computed + 1, s.pages.capacity) for s in seqs))
+        width = self.config.window_for(
+            max(max(s.num_computed + 1 + ahead, s.pages.capacity) for s in seqs))
         tokens = np.zeros((rows, 1), np.int32)
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         sample_index = np.zeros(rows, np.int32)
         for i, s in enumerate(seqs):
-            tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
-            cached[i], q_lens[i] = s.num_computed, 1
-            sample_index[i] = len(s.request.output_ids)
-        sampled, hidden = self._run(seqs, tokens, cached, q_lens, width, sample_index)
-        out = [[t] for t in sampled[:len(seqs)]]
-        if self.proposer is not None:
-            self.proposer.commit(seqs, out, hidden)
-        return out
+            if not ahead:
+                tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
+            cached[i], q_lens[i] = s.num_computed + ahead, 1
+            sample_index[i] = len(s.request.output_ids) + ahead
+        sampled, hidden = self._dispatch(seqs, tokens, cached, q_lens, width, sample_index,
+                                         feed=after.feed if after is not None else None)
+
+        def collect() -> list[list[int]]:
+            out = [[t] for t in self._wait(sampled)[:len(seqs)].tolist()]
+            if self.proposer is not None:
+                self.proposer.commit(seqs, out, hidden)
+            return out
+
+        return InFlight(plan, collect, feed=sampled)
 
     def _speculate(self, seqs: list[SeqState], limits: list[int], width: int) -> list[list[int]]:
         """Proposals, then one target pass over [last token, drafts] per row and exact
@@ -192,7 +233,8 @@ class Runner:
         rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
         drafts, counts, draft_probs = self.proposer.propose(seqs, limits, rows, k)
         if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
-            return self._decode(seqs, width)
+            plain = StepPlan(kind="decode", decode=list(seqs), decode_width=width)
+            return self._decode(plain).result()
         tokens = np.zeros((rows, k + 1), np.int32)
         tokens[:, 1:] = drafts
         cached = np.zeros(rows, np.int32)
@@ -204,13 +246,15 @@ class Runner:
             sample_index[i] = len(s.request.output_ids)
         width = self.config.window_for(
             max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None))
+        start = time.perf_counter()
         tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
                                                   sample_index)
-        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None))
         accepted, emitted, hidden, self.cache = self.device_steps.verify_step(
             self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
             sampling, index)
-        accepted, emitted = np.asarray(accepted), np.asarray(emitted)
+        self.times.inputs_s += time.perf_counter() - start
+        accepted, emitted = self._wait(accepted), self._wait(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
         self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
         self.proposer.commit(seqs, out, hidden)

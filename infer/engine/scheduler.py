@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Sequence
 
 from infer.cache.page_allocator import OutOfPages, PageAllocator
 from infer.cache.prefix_cache import PrefixCache
-from infer.engine.plan import PrefillChunk, SeqState, Status, StepPlan
+from infer.engine.plan import InFlight, PrefillChunk, SeqState, Status, StepPlan
 from infer.engine.request import Request, RequestLimits, validate_request
 
 POLICIES = ("continuous", "static")
@@ -267,6 +267,54 @@ class Scheduler:
                         break
         return plan
 
+    def next_steps(self, in_flight: InFlight | None,
+                   dispatch: Callable[[StepPlan, InFlight | None], InFlight],
+                   plan_ahead: bool = True) -> tuple[InFlight, InFlight | None]:
+        """The step whose tokens come next, and the step left in flight behind it.
+
+        `in_flight` is the step left by the previous call (None: plan one now); `dispatch`
+        starts a plan on the device, after the step in flight it follows when planned ahead.
+        With `plan_ahead`, a decode step's successor is planned and dispatched before the
+        caller reads the step's tokens: postprocess the first step returned, then pass the
+        second to the next call."""
+        if in_flight is not None and not in_flight.live():
+            in_flight = None  # every row finished or was aborted meanwhile: nothing to read
+        current = in_flight or dispatch(self.schedule(), None)
+        ahead = self.plan_ahead(current.plan) if plan_ahead else None
+        return current, (dispatch(ahead, current) if ahead is not None else None)
+
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step after `plan` (a decode step now in flight), planned before its tokens
+        are known, so that the host plans and dispatches step n+1 while the device runs step n
+        (vLLM's async scheduling). Each row feeds the token step n samples for it, straight from
+        the device, one slot further on. None when the next step could differ from that: work
+        to admit or prefill, speculation, a request whose last token is in flight, or pages to
+        find or copy. A row whose request finishes in step n (an eos or stop) computes once for
+        nothing: its token is dropped and its pages, freed, are written before anyone reuses
+        them, since steps run in order."""
+        if (plan.kind != "decode" or not plan.decode or self.config.num_speculative_tokens
+                or len(plan.decode) != len(self.running)
+                or (self.waiting and self.config.policy == "continuous")):
+            return None
+        g = self.allocator.page_size
+        for seq in plan.decode:
+            slot = seq.num_computed + 1  # step n writes num_computed, step n+1 the next slot
+            if (seq.status != Status.RUNNING or seq.in_prefill
+                    or len(seq.request.output_ids) + 1 >= seq.request.params.max_tokens
+                    or slot + 1 > self.config.max_model_len):
+                return None
+            if slot < seq.pages.capacity and self.allocator.refcount(seq.pages.pages[slot // g]) > 1:
+                return None  # a shared page: its copy-on-write waits for a planned step
+        for seq in plan.decode:
+            try:
+                # All or nothing per sequence; capacity reserved before a failure is used by the
+                # next planned step.
+                self.allocator.reserve(seq.pages, seq.num_computed + 2)
+            except OutOfPages:
+                return None
+        return StepPlan(kind="decode", decode=list(plan.decode), decode_width=plan.decode_width,
+                        draft_limits=[0] * len(plan.decode), ahead=True)
+
     def _draft_limit(self, seq: SeqState) -> int:
         """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens) or
         past max_model_len."""
@@ -302,14 +350,17 @@ class Scheduler:
             if chunk.completes:
                 self._append(seq, tokens, now)
                 got_token.append(seq)
-        for seq, tokens in zip(plan.decode, emitted[len(plan.prefill):]):
+        for i, (seq, tokens) in enumerate(zip(plan.decode, emitted[len(plan.prefill):])):
             if seq.status != Status.RUNNING:
                 continue
             # The step wrote KV for the fed token and every accepted draft: one per emitted
             # token, the last emitted one (the target's own) not yet in the cache.
             filled_before = seq.num_computed // self.allocator.page_size
             seq.pages.mark_computed(seq.num_computed + len(tokens))
-            self.allocator.truncate(seq.pages, seq.num_computed)  # pages of rejected drafts
+            if plan.draft_limits and plan.draft_limits[i]:
+                # Pages of rejected drafts. (Without drafts there are none, and the pages
+                # beyond may be reserved for a step in flight.)
+                self.allocator.truncate(seq.pages, seq.num_computed)
             if seq.num_computed // self.allocator.page_size > filled_before:
                 self._cache_pages(seq)  # a page just filled
             self._append(seq, tokens, now)

@@ -4,6 +4,8 @@ that tests/engine/test_warmup.py relies on."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -75,6 +77,33 @@ def test_policies_and_preemption_do_not_change_outputs(tiny_model) -> None:
     preempted = serve(small, inputs, params)
     assert sum(small.output(str(i)).metrics.num_preemptions for i in range(10)) > 0
     assert static == reference and preempted == reference
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_async_scheduling_gives_the_same_tokens(tiny_model, seed: int) -> None:
+    """Planning each decode step while the one before it runs changes no token: random
+    prompts, lengths, sampled and greedy rows, stop tokens that end requests early, static and
+    continuous batching; and steps really were planned ahead."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    inputs = prompts(n, seed=100 + seed)
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), seed=int(rng.integers(1 << 30)),
+                             temperature=float(rng.choice([0.0, 40.0])), ignore_eos=True)
+              for _ in range(n)]
+    free = serve(tiny_engine(tiny_model), inputs, params)
+    # Stop tokens met midway: the step planned after such a token has a row for nothing.
+    params = [dataclasses.replace(p, stop_token_ids=(out[len(out) // 2],)) if len(out) > 2
+              and rng.random() < 0.6 else p for p, out in zip(params, free)]
+    policy = str(rng.choice(["continuous", "static"]))
+    results = {}
+    for on in (False, True):
+        engine = tiny_engine(tiny_model, scheduler=policy, async_scheduling=on,
+                             max_num_seqs=int(rng.integers(2, 6)) if not on else 4)
+        results[on] = serve(engine, inputs, params)
+        ahead = sum(r.planned_ahead for r in engine.step_records())
+        assert (ahead > 0) == on, ahead
+    assert results[True] == results[False]
+    assert any(len(o) < p.max_tokens for o, p in zip(results[True], params))  # some stopped
 
 
 def test_compile_counter_sees_compilations(tiny_model) -> None:

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from infer.engine.engine import Engine, EngineConfig
-from infer.engine.plan import StepPlan
+from infer.engine.metrics import StepTimes
+from infer.engine.plan import InFlight, StepPlan
 from infer.engine.request import FinishReason, Request, RequestLimits
 from infer.llm import LLM
 from infer.model.config import get_config
@@ -46,6 +47,10 @@ class TokenMockRunner:
     def __init__(self, config, proposer: NgramProposer, rng: random.Random) -> None:
         self.config, self.proposer, self.rng = config, proposer, rng
         self.spec_stats = SpeculationStats()
+        self.times = StepTimes()
+
+    def dispatch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
+        return InFlight(plan, lambda: self.execute(plan))
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         out = [[(sum(c.token_ids) * 7 + 3) % TINY.vocab_size] for c in plan.prefill]

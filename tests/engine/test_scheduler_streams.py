@@ -1,7 +1,9 @@
 """Randomized request streams through the scheduler, with a mock runner that reads every token
 back through the page tables (no JAX). Each stream draws its own pool size (2-64 pages), page
 size, policy, prompts with shared prefixes, output lengths, arrivals, aborts, a prefix cache or
-none, and speculative slots whose drafts are partly wrong. Every stream must finish within a
+none, speculative slots whose drafts are partly wrong, stop tokens, and half of them the
+engine's async scheduling (each decode step's successor planned and dispatched before its tokens
+are read, `Scheduler.next_steps`). Every stream must finish within a
 bound of steps, give each request exactly the tokens it gets alone, and account for every page
 after every step.
 
@@ -70,6 +72,7 @@ def run_stream(seed: int) -> dict[str, int]:
     num_pages = rng.randint(2, 64)
     use_cache = rng.random() < 0.6
     spec = rng.choice([0, 0, 1, 2, 4])
+    plan_ahead = rng.random() < 0.5  # the engine's async scheduling
     config = SchedulerConfig(
         max_num_seqs=rng.randint(1, 6), max_prefill_tokens=rng.choice([1, 3, 8, 16]),
         max_model_len=num_pages * page_size, policy=rng.choice(["continuous", "continuous",
@@ -89,8 +92,11 @@ def run_stream(seed: int) -> dict[str, int]:
         tail = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))]
         prompt = (head + tail)[:max(1, capacity - 1)]
         room = capacity - len(prompt)
+        # A stop token ends some requests early, unforeseen by anyone planning ahead.
+        stop = tuple(rng.sample(range(1, VOCAB), 3)) if rng.random() < 0.5 else ()
         return Request(f"{seed}/{i}", prompt,
-                       SamplingParams(max_tokens=rng.randint(1, min(16, room)), seed=0),
+                       SamplingParams(max_tokens=rng.randint(1, min(16, room)), seed=0,
+                                      stop_token_ids=stop),
                        None, arrival_s=0.0)
 
     pending = [new_request(i) for i in range(rng.randint(1, 8))]
@@ -98,6 +104,7 @@ def run_stream(seed: int) -> dict[str, int]:
     seqs: list[SeqState] = []
     budget = 0
     steps = 0
+    in_flight, ahead_steps, overrun = None, 0, 0
     while pending or sched.has_unfinished():
         if pending and (not sched.has_unfinished() or rng.random() < 0.3):
             request = pending.pop(0)
@@ -109,8 +116,11 @@ def run_stream(seed: int) -> dict[str, int]:
         live = [r for r in requests if not r.finished]
         if live and rng.random() < 0.03:
             sched.abort(rng.choice(live).request_id)
-        plan = sched.schedule()
-        sched.postprocess(plan, runner.execute(plan))
+        step, in_flight = sched.next_steps(in_flight, runner.dispatch, plan_ahead)
+        sched.postprocess(step.plan, step.result())
+        ahead_steps += in_flight is not None
+        if in_flight is not None:  # rows of the step in flight whose request just ended
+            overrun += sum(s.finished for s in in_flight.plan.decode)
         check_pages(sched, cache)
         check_states(sched, seqs)
         steps += 1
@@ -120,8 +130,11 @@ def run_stream(seed: int) -> dict[str, int]:
     for r in requests:
         assert r.finished, (seed, r.request_id)
         assert r.output_ids == alone(r.prompt_token_ids, len(r.output_ids)), (seed, r.request_id)
-        if r.finish_reason != FinishReason.ABORT:
-            assert len(r.output_ids) == r.params.max_tokens, (seed, r.request_id)
+        stops = [i for i, t in enumerate(r.output_ids) if t in r.params.stop_token_ids]
+        if r.finish_reason == FinishReason.STOP:
+            assert stops == [len(r.output_ids) - 1], (seed, r.request_id)
+        elif r.finish_reason == FinishReason.LENGTH:
+            assert not stops and len(r.output_ids) == r.params.max_tokens, (seed, r.request_id)
     assert not sched.seqs and not sched.running and not sched.waiting
     check_pages(sched, cache)
     check_states(sched, seqs)
@@ -131,7 +144,9 @@ def run_stream(seed: int) -> dict[str, int]:
     assert allocator.num_free() == num_pages, f"seed {seed}: pages lost"
     allocator.check_invariants()
     return {"steps": steps, "preemptions": sum(r.num_preemptions for r in requests),
-            "cached": sum(r.num_cached_tokens for r in requests)}
+            "cached": sum(r.num_cached_tokens for r in requests), "ahead": ahead_steps,
+            "overrun": overrun,
+            "stopped": sum(r.finish_reason == FinishReason.STOP for r in requests)}
 
 
 @pytest.mark.parametrize("block", range(4))
@@ -139,8 +154,10 @@ def test_random_streams_finish_exact_and_lose_no_page(block: int) -> None:
     totals: Counter[str] = Counter()
     for seed in range(block * 750, (block + 1) * 750):
         totals.update(run_stream(seed))
-    # The streams must really exercise what they claim to: preemption and cache hits.
+    # The streams must really exercise what they claim to: preemption, cache hits, steps
+    # planned ahead and requests stopping early.
     assert totals["preemptions"] > 50 and totals["cached"] > 500, totals
+    assert totals["ahead"] > 1000 and totals["stopped"] > 200 and totals["overrun"] > 5, totals
 
 
 def test_admission_does_not_count_the_matched_pages_as_evictable() -> None:
