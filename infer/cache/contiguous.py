@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from infer.cache import attention
 from infer.cache.metadata import AttentionMetadata
+from kernels_pallas import kv_quant
 
 
 @jax.tree_util.register_dataclass
@@ -33,15 +34,22 @@ class KVCache:
     product. Head-major: see `attention.masked_attention`.
     """
 
-    k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+    k: tuple[jax.Array, ...]  # L x [B, K, S, D], in kv_quant.bits_dtype(dtype)
     v: tuple[jax.Array, ...]
+    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
     @staticmethod
     def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype: jnp.dtype = jnp.float32) -> "KVCache":
         shape = (batch, num_kv_heads, max_len, head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return KVCache(k=zeros(), v=zeros())
+        held = kv_quant.bits_dtype(dtype)
+        zeros = lambda: tuple(jnp.zeros(shape, held) for _ in range(num_layers))
+        return KVCache(k=zeros(), v=zeros(), dtype=jnp.dtype(dtype).name)
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s keys and values in the cache's dtype (it may hold their bits)."""
+        return (kv_quant.from_bits(self.k[layer], self.dtype),
+                kv_quant.from_bits(self.v[layer], self.dtype))
 
     @property
     def max_len(self) -> int:
@@ -61,17 +69,18 @@ class KVCache:
         slots = jnp.where(valid, slots, self.max_len)  # out of range: the scatter drops padding
         rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slots.shape)
         # Advanced indices split by a slice: the scattered dims come first, [B, T, K, D].
-        put = lambda cache, new: cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+        put = lambda cache, new: cache.at[rows, :, slots].set(
+            kv_quant.to_bits(new.astype(self.dtype), cache.dtype), mode="drop")
         new_k = self.k[:layer] + (put(self.k[layer], k),) + self.k[layer + 1:]
         new_v = self.v[:layer] + (put(self.v[layer], v),) + self.v[layer + 1:]
-        return KVCache(k=new_k, v=new_v)
+        return dataclasses.replace(self, k=new_k, v=new_v)
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        return attention.masked_attention(q, self.k[layer], self.v[layer],
-                                          attention.visibility_mask(meta, self.max_len))
+        k, v = self.layer(layer)
+        return attention.masked_attention(q, k, v, attention.visibility_mask(meta, self.max_len))
 
 
 @functools.partial(jax.jit, static_argnums=1)  # no donation: the output is larger
 def _grow(cache: KVCache, max_len: int) -> KVCache:
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)))
-    return KVCache(k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)))
+    return dataclasses.replace(cache, k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)))

@@ -63,10 +63,11 @@ class PagedKVCache:
             raise ValueError(f"need at least one page of at least one token, got num_pages="
                              f"{num_pages}, page_size={page_size}")
         shape = (num_pages, page_size, num_kv_heads, kv_quant.stored_head_dim(head_dim, kv_format))
-        dtype = kv_quant.storage_dtype(kv_format)
+        dtype = kv_quant.bits_dtype(kv_quant.storage_dtype(kv_format))
         pages = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         groups = kv_quant.scale_groups(head_dim, kv_format)
-        scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), kv_quant.SCALE_DTYPE)
+        scale_dtype = kv_quant.bits_dtype(kv_quant.SCALE_DTYPE)
+        scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), scale_dtype)
                                 for _ in range(num_layers))) if groups else (lambda: None)
         if rotate is None:
             rotate = groups > 0 and head_dim % 2 == 0
@@ -111,7 +112,7 @@ class PagedKVCache:
                                  jnp.asarray([self.num_pages * self.page_size], jnp.int32)])
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            rows = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
+            rows = kv_quant.to_bits(new.reshape(-1, *new.shape[2:]), pool.dtype)
             rows = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
             flat = pool.reshape(-1, *pool.shape[2:])
             return flat.at[slots].set(rows, mode="drop").reshape(pool.shape)
@@ -134,20 +135,28 @@ class PagedKVCache:
             return hadamard_rotate(self._attend(layer, hadamard_rotate(q), meta), inverse=True)
         return self._attend(layer, q, meta)
 
+    def pages(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+        """Layer `layer`'s (keys, values, key scales, value scales) as the format stores them
+        (the cache may hold them as their bits: `kv_quant.bits_dtype`)."""
+        data = lambda x: kv_quant.from_bits(x, kv_quant.storage_dtype(self.kv_format))
+        scale = lambda x: None if x is None else kv_quant.from_bits(x[layer], kv_quant.SCALE_DTYPE)
+        return data(self.k[layer]), data(self.v[layer]), scale(self.k_scales), scale(self.v_scales)
+
     def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        k_scales = None if self.k_scales is None else self.k_scales[layer]
-        v_scales = None if self.v_scales is None else self.v_scales[layer]
+        k_pages, v_pages, k_scales, v_scales = self.pages(layer)
         if self.backend == "pallas":
             args = dict(k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
             if q.shape[1] == 1 and meta.tree_mask is None:
-                out = paged_attention(q[:, 0], self.k[layer], self.v[layer], meta.lengths,
+                out = paged_attention(q[:, 0], k_pages, v_pages, meta.lengths,
                                       meta.page_tables, **args)
                 return out[:, None]
-            return paged_prefill_attention(q, self.k[layer], self.v[layer], meta.lengths,
+            return paged_prefill_attention(q, k_pages, v_pages, meta.lengths,
                                            meta.q_lens, meta.page_tables,
                                            tree_mask=meta.tree_mask, **args)
-        k = self._gather(self.k[layer], k_scales, meta.page_tables, q.dtype)
-        v = self._gather(self.v[layer], v_scales, meta.page_tables, q.dtype)
+        # Dequantized straight into the dtype attention computes in: one pass over the pages.
+        work = attention.compute_dtype(q.dtype)
+        k = self._gather(k_pages, k_scales, meta.page_tables, work)
+        v = self._gather(v_pages, v_scales, meta.page_tables, work)
         return attention.masked_attention(q, k, v, attention.visibility_mask(meta, k.shape[2]))
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,

@@ -286,7 +286,7 @@ def compact(cache: KVCache, length: jax.Array, path: jax.Array) -> KVCache:
     # Gather everything before writing anything: a node may move onto a slot another one leaves.
     move = lambda x: jax.lax.dynamic_update_slice(x, jnp.take(x, src, axis=2),
                                                   (0, 0, length, 0))
-    return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 def tree_generate(spec: TreeSpeculator, prompt_ids: Sequence[int], max_new_tokens: int,
