@@ -74,6 +74,25 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> flo
     return float(np.median(times))
 
 
+def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: int
+                        ) -> tuple[float, float]:
+    """(seconds to the first token, seconds per decode step after it) of `generate(n)`, a
+    generation loop returning on the host after n tokens, the way its user sees it: the medians
+    of t(1) and of (t(tokens + 1) - t(1)) / tokens over `repeats`, after one untimed run that
+    compiles or warms every shape."""
+    generate(tokens + 1)
+    first, full = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate(1)
+        first.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        generate(tokens + 1)
+        full.append(time.perf_counter() - start)
+    t_first = float(np.median(first))
+    return t_first, (float(np.median(full)) - t_first) / tokens
+
+
 def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
                      dtype: Any = "float32") -> dict[str, float]:
     """This machine's copy bandwidth (bytes read + written per second, through XLA) and dense

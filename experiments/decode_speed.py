@@ -10,8 +10,6 @@ step is the bytes it must move (weights + the KV it reads) over the measured cop
 
 from __future__ import annotations
 
-import time
-
 from absl import flags
 
 from experiments.common import define_resume_flag
@@ -34,11 +32,10 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import functools
 
     import jax
-    import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, load_hf_smollm2, markdown_table, measure_ceilings,
-                                    usable_peers)
+    from experiments.common import (ResultLog, first_and_step_time, load_hf_smollm2, markdown_table,
+                                    measure_ceilings, usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
@@ -75,13 +72,7 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
         kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, "float32")
         floor_s = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"]
         flops = 2 * config.num_params * b
-        generate(b, tokens + 1)  # compile / warm up every shape this point uses
-        first, full = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter(); generate(b, 1); first.append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); generate(b, tokens + 1); full.append(time.perf_counter() - t0)
-        t_first, t_full = float(np.median(first)), float(np.median(full))
-        step_s = (t_full - t_first) / tokens
+        t_first, step_s = first_and_step_time(lambda n: generate(b, n), tokens, repeats)
         return {"prefill_tok_s": b * prompt_len / t_first, "decode_step_ms": step_s * 1e3,
                 "decode_tok_s": b / step_s, "bandwidth_floor_step_ms": floor_s * 1e3,
                 "fraction_of_floor": floor_s / step_s, "achieved_flops": flops / step_s,

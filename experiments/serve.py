@@ -1,6 +1,6 @@
 """The main job (`make run`): a serving benchmark on SmolLM2-135M.
 
-  python -m experiments.serve --num_requests=64 --rate=8 [--peers=hf,llamacpp]
+  python -m experiments.serve --num_requests=64 --rate=8 [--peers=hf,llamacpp,llamaserver]
 
 One workload -- Poisson arrivals, prompts of real text (CPython's pydoc topics) with lengths drawn
 uniformly, output lengths Pareto(shape 1.5, scale 20) capped -- is served by infer with static
@@ -8,6 +8,22 @@ batching and with continuous batching, and, in the same run, by HF transformers'
 `generate` in static batches (and with --peers=llamacpp by llama.cpp, one request at a time, as
 its Python API serves them). Every request asks for exactly its output length (EOS ignored), so
 all runs produce the same tokens' worth of work.
+
+--peers=llamaserver adds llama.cpp's own HTTP server, `llama-server`, with continuous batching
+over --max_num_seqs slots (`-np`), each holding --max_model_len tokens: it is started on a free
+loopback port, each request is sent to `POST /completion` at its arrival time from a thread of
+its own and streamed back, and the server is stopped after the run. Its weights are those of
+--dtype: the bundled Q4_1 GGUF turned into an F32 or BF16 one by `llama-quantize` (made once,
+cached in ~/.cache/infer/llama-server/). --llama_server=PATH names the binary (default:
+$LLAMA_SERVER); without it the peer is skipped. It has no Python package; build it from the
+llama.cpp that llama-cpp-python 0.3.36 vendors:
+
+  pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36
+  tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
+  cmake -B build -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release
+  cmake --build build -j2 --target llama-server llama-quantize
+  export LLAMA_SERVER=$PWD/build/bin/llama-server   # llama-quantize is found beside it
 
 Appends each run's row to results/serve.jsonl (--out) the moment it is measured, then prints a
 table and plots slot utilization over time for static against continuous batching plus
@@ -28,6 +44,9 @@ import numpy as np
 from absl import flags
 
 from experiments.common import define_resume_flag
+from experiments.llama_server import (GGUF_TYPES, LLAMA_SERVER_PEER, ensure_llama_server_gguf,
+                                      llama_quantize_path, llama_server_gguf_path,
+                                      llama_server_usable, serve_llama_server)
 from experiments.workloads import poisson_pareto, text_ids
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
@@ -46,8 +65,11 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_v
 flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache format", flag_values=FLAGS)
 flags.DEFINE_list("policies", ["static", "continuous"], "infer scheduler policies",
                   flag_values=FLAGS)
-flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, none",
+flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, llamaserver, none",
                   flag_values=FLAGS)
+flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""),
+                    "the llama-server binary of the llamaserver peer (default: $LLAMA_SERVER)",
+                    flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/serve.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
@@ -197,17 +219,36 @@ def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos
     return metrics, start, time.perf_counter() - start
 
 
+def serve_peers(peers: list[str], llama_server: str, dtype: str, experiment: str) -> list[str]:
+    """The requested peers that can run, in the order asked: the Python ones through
+    `usable_peers`, llama-server through `llama_server_usable` (it is a binary, no package)."""
+    from experiments.common import PEERS, usable_peers
+
+    known = set(PEERS) | {LLAMA_SERVER_PEER, "none"}
+    unknown = sorted(set(peers) - known)
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; known: {sorted(known - {'none'})} or none")
+    usable = set(usable_peers([p for p in peers if p != LLAMA_SERVER_PEER], experiment))
+    if LLAMA_SERVER_PEER in peers:
+        from infer.io.checkpoint import smollm2_gguf_path
+        gguf = llama_server_gguf_path(smollm2_gguf_path(), dtype)
+        if llama_server_usable(llama_server, gguf, experiment):
+            usable.add(LLAMA_SERVER_PEER)
+    return [p for p in dict.fromkeys(peers) if p in usable]
+
+
 def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         output_shape: float, output_scale: float, output_cap: int, max_num_seqs: int,
         max_prefill_tokens: int, max_model_len: int, dtype: str, kv_cache_dtype: str,
         policies: list[str], peers: list[str], seed: int, out: str,
-        resume: bool = False) -> list[dict]:
+        llama_server: str = "", resume: bool = False) -> list[dict]:
     """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
     them (each appended the moment it is measured; with `resume`, ones already there are kept
     and not measured again)."""
-    from experiments.common import ResultLog, load_hf_smollm2, plot_path, usable_peers
+    from experiments.common import ResultLog, load_hf_smollm2, plot_path
 
-    peers = usable_peers(peers, "serve")  # before any work: a missing package is one line
+    # Before any work: a missing package or binary is one line.
+    peers = serve_peers(peers, llama_server, dtype, "serve")
     log = ResultLog(out, resume=resume)
     from infer.engine.engine import Engine, EngineConfig
     from infer.engine.metrics import summarize
@@ -254,6 +295,13 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
                                           tokenizer.eos_ids[0], "llama.cpp")
         return summarize(metrics, wall)
 
+    def serve_llama_server_peer() -> dict:
+        gguf = ensure_llama_server_gguf(smollm2_gguf_path(), dtype,
+                                        llama_quantize_path(llama_server))
+        metrics, _, wall = serve_llama_server(llama_server, gguf, work, max_num_seqs,
+                                              max_model_len, max_prefill_tokens, "llama-server")
+        return summarize(metrics, wall)
+
     engine_config = dict(kv_cache_dtype=kv_cache_dtype, max_prefill_tokens=max_prefill_tokens,
                          max_model_len=max_model_len)
     for policy in policies:
@@ -264,6 +312,10 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     if "llamacpp" in peers:
         log.measure({**workload, "impl": "llama.cpp (Q4_1)", "policy": "one at a time",
                      "max_model_len": max_model_len}, serve_llamacpp_peer)
+    if LLAMA_SERVER_PEER in peers:
+        log.measure({**workload, "impl": f"llama-server ({GGUF_TYPES[dtype]})",
+                     "policy": f"continuous, {max_num_seqs} slots", "max_model_len": max_model_len,
+                     "max_prefill_tokens": max_prefill_tokens}, serve_llama_server_peer)
     rows = log.rows()
     report(rows)
     plot(rows, plot_path(out), max_num_seqs)
@@ -311,7 +363,10 @@ def plot(rows: list[dict], path: str, max_num_seqs: int) -> None:
     axes[0].set_title("slot utilization over time")
     axes[0].legend()
     labels = [f"{r['impl']}\n{r['policy']}" for r in rows]
-    axes[1].bar(labels, [r["output_tok_s"] for r in rows], color="tab:blue")
+    # One color per implementation: infer's policies side by side, each peer apart.
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    axes[1].bar(labels, [r["output_tok_s"] for r in rows],
+                color=[f"C{impls.index(r['impl']) % 10}" for r in rows])
     axes[1].set_ylabel("output tokens/s")
     axes[1].set_title("throughput")
     x = np.arange(len(rows))

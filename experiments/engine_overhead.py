@@ -1,0 +1,170 @@
+"""What the serving engine adds to a decode step: the plain loop's step (`decode_stream`, one
+batch on a contiguous cache, the next step dispatched before the last tokens are read back; and
+the same loop over a paged cache) against the engine's (scheduler, paged cache, per-request
+bookkeeping), same weights, dtype, lengths and batch, in one run; with the engine's step split
+into host scheduling, input building, device time and output handling, the bytes a step must
+move against the bandwidth floor, and HF transformers' decode step (`generate`, the same
+prompts) as the peer.
+
+  python -m experiments.engine_overhead --batch_sizes=1,8,32 --dtypes=float32,bfloat16
+
+A step's time is the median over the timed decode steps of every repeat: the interval between
+consecutive tokens for the plain loop, `StepRecord.end_s - start_s` for the engine (full-batch
+decode steps only: the engine prefills one request per step, so its requests run longer, within
+the same attention window as the plain loop's). Every program is compiled by an untimed first
+run. The breakdown is the medians of `StepRecord`'s phases; with async scheduling (the
+engine's default) a step's inputs are those of the step planned ahead, and its device time is
+only what the host waited for, the rest being hidden behind host work.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from experiments.common import define_resume_flag
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
+flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight (and KV) dtypes", flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 32, "tokens generated per request in a timed run", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "timed runs per point", flag_values=FLAGS)
+flags.DEFINE_list("peers", ["hf"], "peers timed in the same run: hf, or none", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/engine_overhead.jsonl", "JSONL output", flag_values=FLAGS)
+define_resume_flag(FLAGS)
+
+PHASES = ("schedule", "inputs", "device", "output")
+
+
+def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: int,
+        repeats: int, peers: list[str], out: str, resume: bool = False) -> list[dict]:
+    """One row per (dtype, batch), appended to `out` as it is measured; the table from the
+    file."""
+    import dataclasses
+    import functools
+    import time
+
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from experiments.common import (ResultLog, first_and_step_time, load_hf_smollm2, markdown_table,
+                                    measure_ceilings, usable_peers)
+    from experiments.workloads import consecutive_prompts, text_ids
+    from infer.cache.budget import kv_bytes_per_token
+    from infer.engine.buckets import window_bucket
+    from infer.engine.device_steps import DeviceSteps
+    from infer.engine.engine import Engine, EngineConfig
+    from infer.engine.simple_loop import PagedLayout, decode_stream
+    from infer.io.loader import load
+    from infer.sampling_params import SamplingParams
+
+    if tokens < 4:
+        raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    peers = usable_peers(peers, "engine_overhead")  # before any work
+    log = ResultLog(out, resume=resume)
+    ceilings = functools.cache(measure_ceilings)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    def plain_steps(steps: DeviceSteps, prompts: list[list[int]], cache_dtype,
+                    paged: PagedLayout | None = None) -> list[float]:
+        stream = decode_stream(steps, prompts, [params] * len(prompts), tokens,
+                               cache_dtype=cache_dtype, paged=paged)
+        next(stream)  # the prefill
+        last, gaps = time.perf_counter(), []
+        for _ in stream:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        return gaps[1:]  # the first decode step waited for the prefill too
+
+    def engine_steps(engine: Engine, prompts: list[list[int]]) -> list:
+        # The engine prefills one request per step, between decode steps: each request
+        # decodes `tokens` steps more than the ramp to a full batch takes (2 steps a request).
+        longer = dataclasses.replace(params, max_tokens=tokens + 2 * len(prompts))
+        for p in prompts:
+            engine.add_request(prompt_token_ids=p, params=longer)
+        since = engine.num_steps
+        engine.run_until_done()
+        return [r for r in engine.step_records(since)
+                if r.kind == "decode" and r.decode_rows == len(prompts)]
+
+    def measure(dtype: str, b: int, model, config, tokenizer, steps: DeviceSteps) -> dict:
+        prompts = consecutive_prompts(text_ids(tokenizer, 200_000), b, prompt_len)
+        model_len = prompt_len + tokens + 2 * b
+        if window_bucket(model_len) != window_bucket(prompt_len + tokens):
+            raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
+                             f"an attention window above the plain loop's: lower --prompt_len "
+                             f"or --tokens")
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=b, max_prefill_tokens=prompt_len, max_model_len=model_len))
+        cache_dtype = jax.numpy.dtype(dtype)
+        paged = PagedLayout(kv_format=engine.config.kv_cache_dtype)
+        plain_steps(steps, prompts, cache_dtype)  # compiles every shape the point uses
+        plain_steps(steps, prompts, cache_dtype, paged)
+        engine_steps(engine, prompts)
+        plain, plain_paged, records = [], [], []
+        for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all three
+            plain += plain_steps(steps, prompts, cache_dtype)
+            plain_paged += plain_steps(steps, prompts, cache_dtype, paged)
+            records += engine_steps(engine, prompts)
+        plain_ms = float(np.median(plain)) * 1e3
+        paged_ms = float(np.median(plain_paged)) * 1e3
+        engine_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
+        row = {"plain_step_ms": plain_ms, "plain_paged_step_ms": paged_ms,
+               "engine_step_ms": engine_ms, "engine_over_plain": engine_ms / plain_ms,
+               "engine_over_plain_paged": engine_ms / paged_ms, "steps_timed": len(records),
+               "engine_tok_s": b / engine_ms * 1e3}
+        if "hf" in peers:
+            hf_prompts = torch_prompts(prompts)
+            _, hf_step = first_and_step_time(lambda n: hf_generate(hf_prompts, n), tokens,
+                                             repeats)
+            row |= {"hf_step_ms": hf_step * 1e3, "engine_vs_hf": hf_step * 1e3 / engine_ms}
+        for phase in PHASES:
+            row[f"{phase}_ms"] = float(np.median([getattr(r, f"{phase}_s") for r in records])) * 1e3
+        row["other_ms"] = engine_ms - sum(row[f"{p}_ms"] for p in PHASES)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
+        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, dtype)
+        floor_ms = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"] * 1e3
+        return {**row, "bytes_per_step": weight_bytes + kv_read, "floor_step_ms": floor_ms,
+                "plain_of_floor": floor_ms / plain_ms, "engine_of_floor": floor_ms / engine_ms,
+                **ceilings()}
+
+    def torch_prompts(prompts: list[list[int]]):
+        import torch
+        return torch.tensor(prompts)
+
+    def hf_generate(x, n: int):
+        import torch
+        with torch.no_grad():
+            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    for dtype in dtypes:
+        config, model, tokenizer = load("smollm2-135m", dtype)
+        steps = DeviceSteps(model)
+        hf = load_hf_smollm2(dtype) if "hf" in peers else None
+        for b in tqdm(batch_sizes, desc=f"{dtype} batch sizes"):
+            log.measure({"experiment": "engine_overhead", "model": config.name, "dtype": dtype,
+                         "batch": b, "prompt_len": prompt_len, "tokens": tokens,
+                         "repeats": repeats},
+                        lambda b=b: measure(dtype, b, model, config, tokenizer, steps))
+    rows = log.rows()
+    print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (this run)")
+    print(markdown_table(rows, [("dtype", "dtype"), ("batch", "batch"),
+                                ("plain_step_ms", "plain ms"),
+                                ("plain_paged_step_ms", "plain paged ms"),
+                                ("engine_step_ms", "engine ms"),
+                                ("engine_over_plain", "engine / plain"),
+                                ("engine_over_plain_paged", "engine / plain paged"),
+                                ("schedule_ms", "schedule ms"), ("inputs_ms", "inputs ms"),
+                                ("device_ms", "device ms"), ("output_ms", "output ms"),
+                                ("floor_step_ms", "floor ms"),
+                                ("engine_of_floor", "engine of floor"),
+                                ("hf_step_ms", "HF ms"), ("engine_vs_hf", "engine × HF")]))
+    return rows
+
+
+if __name__ == "__main__":
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)
