@@ -12,7 +12,8 @@ A step's time is the median over the timed decode steps of every repeat: the int
 consecutive tokens for the plain loop, `StepRecord.end_s - start_s` for the engine (full-batch
 decode steps only: the engine prefills one request per step, so its requests run longer, within
 the same attention window as the plain loop's). Every program is compiled by an untimed first
-run. The breakdown is the medians of `StepRecord`'s phases; with async scheduling (the
+run. The engine is also timed with async scheduling off (the same runner), for what overlapping
+the host's work with the device's gains. The breakdown is the medians of `StepRecord`'s phases; with async scheduling (the
 engine's default) a step's inputs are those of the step planned ahead, and its device time is
 only what the host waited for, the rest being hidden behind host work.
 """
@@ -96,23 +97,30 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
             raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
                              f"an attention window above the plain loop's: lower --prompt_len "
                              f"or --tokens")
-        engine = Engine(model, tokenizer, EngineConfig(
-            max_num_seqs=b, max_prefill_tokens=prompt_len, max_model_len=model_len))
+        config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
+                              max_model_len=model_len)
+        engine = Engine(model, tokenizer, config)
+        # The same engine waiting for each step's tokens before planning the next.
+        sync = Engine(model, tokenizer, dataclasses.replace(config, async_scheduling=False),
+                      runner=engine.runner)
         cache_dtype = jax.numpy.dtype(dtype)
         paged = PagedLayout(kv_format=engine.config.kv_cache_dtype)
         plain_steps(steps, prompts, cache_dtype)  # compiles every shape the point uses
         plain_steps(steps, prompts, cache_dtype, paged)
         engine_steps(engine, prompts)
-        plain, plain_paged, records = [], [], []
-        for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all three
+        plain, plain_paged, records, sync_records = [], [], [], []
+        for _ in range(repeats):  # interleaved, so drift in the machine's speed hits them all
             plain += plain_steps(steps, prompts, cache_dtype)
             plain_paged += plain_steps(steps, prompts, cache_dtype, paged)
             records += engine_steps(engine, prompts)
+            sync_records += engine_steps(sync, prompts)
         plain_ms = float(np.median(plain)) * 1e3
         paged_ms = float(np.median(plain_paged)) * 1e3
         engine_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
+        sync_ms = float(np.median([r.end_s - r.start_s for r in sync_records])) * 1e3
         row = {"plain_step_ms": plain_ms, "plain_paged_step_ms": paged_ms,
                "engine_step_ms": engine_ms, "engine_over_plain": engine_ms / plain_ms,
+               "engine_sync_step_ms": sync_ms, "engine_sync_over_plain": sync_ms / plain_ms,
                "engine_over_plain_paged": engine_ms / paged_ms, "steps_timed": len(records),
                "engine_tok_s": b / engine_ms * 1e3}
         if "hf" in peers:
@@ -157,6 +165,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                                 ("engine_step_ms", "engine ms"),
                                 ("engine_over_plain", "engine / plain"),
                                 ("engine_over_plain_paged", "engine / plain paged"),
+                                ("engine_sync_over_plain", "no async: engine / plain"),
                                 ("schedule_ms", "schedule ms"), ("inputs_ms", "inputs ms"),
                                 ("device_ms", "device ms"), ("output_ms", "output ms"),
                                 ("floor_step_ms", "floor ms"),
