@@ -97,11 +97,12 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
             raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
                              f"an attention window above the plain loop's: lower --prompt_len "
                              f"or --tokens")
-        config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
-                              max_model_len=model_len)
-        engine = Engine(model, tokenizer, config)
+        engine_config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
+                                     max_model_len=model_len)
+        engine = Engine(model, tokenizer, engine_config)
         # The same engine waiting for each step's tokens before planning the next.
-        sync = Engine(model, tokenizer, dataclasses.replace(config, async_scheduling=False),
+        sync = Engine(model, tokenizer,
+                      dataclasses.replace(engine_config, async_scheduling=False),
                       runner=engine.runner)
         cache_dtype = jax.numpy.dtype(dtype)
         paged = PagedLayout(kv_format=engine.config.kv_cache_dtype)
