@@ -204,7 +204,9 @@ class Engine:
             self._in_flight, self._dispatch, self.config.async_scheduling)
         plan = pending.plan
         running = len(self.scheduler.running)  # requests holding a slot during this step
-        scheduled = time.perf_counter() - start - self.runner.times.inputs_s
+        # Less the runner's time: building inputs, and the device for a step done on dispatch.
+        times = self.runner.times
+        scheduled = time.perf_counter() - start - times.inputs_s - times.device_s
         sampled = pending.result()
         executed = time.perf_counter()
         advanced = self.scheduler.postprocess(plan, sampled)
@@ -212,7 +214,6 @@ class Engine:
         for out in outputs:
             self._notify(out)
         end = time.perf_counter()
-        times = self.runner.times
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
             active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),

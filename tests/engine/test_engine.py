@@ -106,6 +106,19 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model, seed: int) -> None:
     assert any(len(o) < p.max_tokens for o, p in zip(results[True], params))  # some stopped
 
 
+def test_step_records_split_each_step_within_its_time(tiny_model) -> None:
+    """Every step's schedule, inputs, device and output times are >= 0 and together within the
+    step; decode steps are planned ahead once the batch only decodes."""
+    engine = tiny_engine(tiny_model)
+    serve(engine, prompts(3, seed=8), SamplingParams(max_tokens=12, ignore_eos=True))
+    records = engine.step_records()
+    for r in records:
+        parts = [r.schedule_s, r.inputs_s, r.device_s, r.output_s]
+        assert min(parts) >= 0 and sum(parts) <= (r.end_s - r.start_s) * 1.001, r
+    assert any(r.planned_ahead for r in records)
+    assert not any(r.planned_ahead and r.kind != "decode" for r in records)
+
+
 def test_compile_counter_sees_compilations(tiny_model) -> None:
     """The counter tests/engine/test_warmup.py relies on does count: an engine not warmed up
     compiles."""
