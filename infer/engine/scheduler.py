@@ -287,18 +287,14 @@ class Scheduler:
         """The decode step after `plan` (a decode step now in flight), planned before its tokens
         are known, so that the host plans and dispatches step n+1 while the device runs step n
         (vLLM's async scheduling). Each row feeds the token step n samples for it, straight from
-        the device, one slot further on. None when the next step could differ from that: a
-        request to admit into a free slot, one to prefill, speculation, a request whose last
-        token is in flight, or pages to find or copy. A row whose request finishes in step n (an eos or stop) computes once for
+        the device, one slot further on. None when the next step could differ from that: work
+        to admit or prefill, speculation, a request whose last token is in flight, or pages to
+        find or copy. A row whose request finishes in step n (an eos or stop) computes once for
         nothing: its token is dropped and its pages, freed, are written before anyone reuses
         them, since steps run in order."""
-        # A waiting request could take a free slot next step (continuous batching). With every
-        # slot held it waits anyway until a request finishes: by length, which is foreseen
-        # below; by a stop, which then delays its admission by the one step planned ahead.
-        admissible = (self.waiting and self.config.policy == "continuous"
-                      and len(self.running) < self.config.max_num_seqs)
         if (plan.kind != "decode" or not plan.decode or self.config.num_speculative_tokens
-                or len(plan.decode) != len(self.running) or admissible):
+                or len(plan.decode) != len(self.running)
+                or (self.waiting and self.config.policy == "continuous")):
             return None
         g = self.allocator.page_size
         for seq in plan.decode:
