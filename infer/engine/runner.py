@@ -137,8 +137,7 @@ class Runner:
             return InFlight.done(plan, [[t] for t in self._prefill(plan.prefill)])
         if plan.kind == "decode":
             if self.proposer is not None and any(plan.draft_limits):
-                return InFlight.done(plan, self._speculate(plan.decode, plan.draft_limits,
-                                                           plan.decode_width))
+                return InFlight.done(plan, self._speculate(plan))
             return self._decode(plan, after)
         return InFlight.done(plan, [])
 
@@ -226,15 +225,14 @@ class Runner:
 
         return InFlight(plan, collect, feed=sampled)
 
-    def _speculate(self, seqs: list[SeqState], limits: list[int], width: int) -> list[list[int]]:
+    def _speculate(self, plan: StepPlan) -> list[list[int]]:
         """Proposals, then one target pass over [last token, drafts] per row and exact
         verification on device; each row advances by its own accepted length."""
-        k = self.config.num_speculative_tokens
-        rows = bucket_for(max(len(seqs), width), self.config.decode_buckets)
-        drafts, counts, draft_probs = self.proposer.propose(seqs, limits, rows, k)
+        seqs, k = plan.decode, self.config.num_speculative_tokens
+        rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
+        drafts, counts, draft_probs = self.proposer.propose(seqs, plan.draft_limits, rows, k)
         if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
-            plain = StepPlan(kind="decode", decode=list(seqs), decode_width=width)
-            return self._decode(plain).result()
+            return self._decode(plan).result()
         tokens = np.zeros((rows, k + 1), np.int32)
         tokens[:, 1:] = drafts
         cached = np.zeros(rows, np.int32)
