@@ -18,8 +18,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import numpy as np
-
 if TYPE_CHECKING:
     from experiments.serve import WorkItem
 
@@ -242,13 +240,7 @@ def serve_llama_server(llama_server: str, gguf_path: str, work: list[WorkItem], 
             # Not waiting: stopping the server ends the streams still open.
             pool.shutdown(wait=False, cancel_futures=True)
             bar.close()
-    metrics = []
-    for w, f in zip(work, futures):
-        times = f.result()
-        arrival = start + w.arrival_s
-        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
-        metrics.append(RequestMetrics(
-            arrival_s=arrival, ttft_s=times[0] - arrival,
-            tpot_s=float(np.mean(itl)) if itl else None, e2e_s=times[-1] - arrival, itl_s=itl,
-            num_prompt_tokens=len(w.prompt_ids), num_output_tokens=len(times)))
+    metrics = [RequestMetrics.from_token_times(start + w.arrival_s, f.result(),
+                                               len(w.prompt_ids))
+               for w, f in zip(work, futures)]
     return metrics, start, wall

@@ -168,13 +168,8 @@ def serve_hf(model, work: list[WorkItem], batch_size: int, desc: str):
                            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
         # The processor runs after each forward, just before the token is chosen.
         for w in batch:
-            arrival = start + w.arrival_s
-            times = clock.times[:w.output_len]
-            itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
-            metrics.append(RequestMetrics(
-                arrival_s=arrival, ttft_s=times[0] - arrival,
-                tpot_s=float(np.mean(itl)) if itl else None, e2e_s=times[-1] - arrival,
-                itl_s=itl, num_prompt_tokens=len(w.prompt_ids), num_output_tokens=w.output_len))
+            metrics.append(RequestMetrics.from_token_times(
+                start + w.arrival_s, clock.times[:w.output_len], len(w.prompt_ids)))
         bar.update(len(batch))
     bar.close()
     return metrics, start, time.perf_counter() - start
@@ -207,13 +202,8 @@ def serve_llamacpp(gguf_path: str, work: list[WorkItem], max_model_len: int, eos
         if len(times) != w.output_len + 1:
             raise RuntimeError(f"llama.cpp streamed {len(times)} chunks for {w.output_len} "
                                f"tokens (expected one per token and a finish chunk)")
-        times = times[:-1]
-        arrival = start + w.arrival_s
-        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
-        metrics.append(RequestMetrics(
-            arrival_s=arrival, ttft_s=times[0] - arrival, tpot_s=float(np.mean(itl)) if itl else None,
-            e2e_s=times[-1] - arrival, itl_s=itl, num_prompt_tokens=len(w.prompt_ids),
-            num_output_tokens=len(times)))
+        metrics.append(RequestMetrics.from_token_times(start + w.arrival_s, times[:-1],
+                                                       len(w.prompt_ids)))
         bar.update(1)
     bar.close()
     return metrics, start, time.perf_counter() - start

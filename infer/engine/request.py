@@ -85,6 +85,21 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
 
+    @classmethod
+    def from_token_times(cls, arrival_s: float, token_times: Sequence[float],
+                         num_prompt_tokens: int, finished: bool = True,
+                         num_cached_tokens: int = 0, num_preemptions: int = 0
+                         ) -> "RequestMetrics":
+        """The latencies of a request that arrived at `arrival_s` and got a token at each of
+        `token_times` (the engine's requests and the peers' streams alike); e2e once finished."""
+        times = token_times
+        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
+        return cls(arrival_s=arrival_s, ttft_s=times[0] - arrival_s if times else None,
+                   tpot_s=float(np.mean(itl)) if itl else None,
+                   e2e_s=times[-1] - arrival_s if times and finished else None, itl_s=itl,
+                   num_prompt_tokens=num_prompt_tokens, num_output_tokens=len(times),
+                   num_cached_tokens=num_cached_tokens, num_preemptions=num_preemptions)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
@@ -194,19 +209,9 @@ class Request:
         return text
 
     def metrics(self) -> RequestMetrics:
-        times = self.token_times
-        itl = tuple(float(b - a) for a, b in zip(times, times[1:]))
-        return RequestMetrics(
-            arrival_s=self.arrival_s,
-            ttft_s=times[0] - self.arrival_s if times else None,
-            tpot_s=float(np.mean(itl)) if itl else None,
-            e2e_s=times[-1] - self.arrival_s if times and self.finished else None,
-            itl_s=itl,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_output_tokens=len(self.output_ids),
-            num_cached_tokens=self.num_cached_tokens,
-            num_preemptions=self.num_preemptions,
-        )
+        return RequestMetrics.from_token_times(
+            self.arrival_s, self.token_times, len(self.prompt_token_ids), self.finished,
+            num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions)
 
     def output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
