@@ -13,9 +13,10 @@ consecutive tokens for the plain loop, `StepRecord.end_s - start_s` for the engi
 decode steps only: the engine prefills one request per step, so its requests run longer, within
 the same attention window as the plain loop's). Every program is compiled by an untimed first
 run. The engine is also timed with async scheduling off (the same runner), for what overlapping
-the host's work with the device's gains. The breakdown is the medians of `StepRecord`'s phases; with async scheduling (the
-engine's default) a step's inputs are those of the step planned ahead, and its device time is
-only what the host waited for, the rest being hidden behind host work.
+the host's work with the device's gains. The breakdown is the means of `StepRecord`'s phases
+over the timed steps, which add up to the mean step (`engine_step_mean_ms`); with async
+scheduling (the engine's default) a step's inputs are those of the step planned ahead, and its
+device time is only what the host waited for, the rest being hidden behind host work.
 """
 
 from __future__ import annotations
@@ -129,9 +130,13 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
             _, hf_step = first_and_step_time(lambda n: hf_generate(hf_prompts, n), tokens,
                                              repeats)
             row |= {"hf_step_ms": hf_step * 1e3, "engine_vs_hf": hf_step * 1e3 / engine_ms}
+        # Means, not medians: the means of a step's parts add up to the mean step (medians of
+        # parts need not add up to anything), so what is left over is the unsplit rest.
+        mean_ms = float(np.mean([r.end_s - r.start_s for r in records])) * 1e3
+        row["engine_step_mean_ms"] = mean_ms
         for phase in PHASES:
-            row[f"{phase}_ms"] = float(np.median([getattr(r, f"{phase}_s") for r in records])) * 1e3
-        row["other_ms"] = engine_ms - sum(row[f"{p}_ms"] for p in PHASES)
+            row[f"{phase}_ms"] = float(np.mean([getattr(r, f"{phase}_s") for r in records])) * 1e3
+        row["other_ms"] = mean_ms - sum(row[f"{p}_ms"] for p in PHASES)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
         kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, dtype)
         floor_ms = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"] * 1e3
