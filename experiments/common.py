@@ -356,6 +356,17 @@ def save_figure(fig: Any, path: str) -> None:
         plt.close(fig)
 
 
+def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> Any:
+    """HF transformers' `generate` of exactly n greedy tokens after each prompt (equal lengths:
+    no padding), the peer's own generation loop."""
+    import torch
+
+    x = torch.tensor(prompts)
+    with torch.no_grad():
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
 def load_hf_smollm2(dtype: str) -> Any:
     """HF transformers' LlamaForCausalLM from the bundled SmolLM2 GGUF, in eval mode: the peer
     that the benchmarks run on the same requests."""

@@ -34,8 +34,8 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import jax
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, first_and_step_time, load_hf_smollm2, markdown_table,
-                                    measure_ceilings, usable_peers)
+    from experiments.common import (ResultLog, first_and_step_time, hf_greedy, load_hf_smollm2,
+                                    markdown_table, measure_ceilings, usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
@@ -59,11 +59,7 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     hf = functools.cache(lambda: load_hf_smollm2(dtype))  # loaded when a point needs it
 
     def hf_generate(b: int, n: int):
-        import torch
-        x = torch.tensor(prompts(b))
-        with torch.no_grad():
-            return hf().generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return hf_greedy(hf(), prompts(b), n)
 
     ceilings = functools.cache(measure_ceilings)  # measured in the run that needs them
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))

@@ -50,8 +50,8 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, first_and_step_time, load_hf_smollm2, markdown_table,
-                                    measure_ceilings, usable_peers)
+    from experiments.common import (ResultLog, first_and_step_time, hf_greedy, load_hf_smollm2,
+                                    markdown_table, measure_ceilings, usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.buckets import window_bucket
@@ -126,8 +126,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                "engine_over_plain_paged": engine_ms / paged_ms, "steps_timed": len(records),
                "engine_tok_s": b / engine_ms * 1e3}
         if "hf" in peers:
-            hf_prompts = torch_prompts(prompts)
-            _, hf_step = first_and_step_time(lambda n: hf_generate(hf_prompts, n), tokens,
+            _, hf_step = first_and_step_time(lambda n: hf_greedy(hf, prompts, n), tokens,
                                              repeats)
             row |= {"hf_step_ms": hf_step * 1e3, "engine_vs_hf": hf_step * 1e3 / engine_ms}
         # Means, not medians: the means of a step's parts add up to the mean step (medians of
@@ -143,16 +142,6 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         return {**row, "bytes_per_step": weight_bytes + kv_read, "floor_step_ms": floor_ms,
                 "plain_of_floor": floor_ms / plain_ms, "engine_of_floor": floor_ms / engine_ms,
                 **ceilings()}
-
-    def torch_prompts(prompts: list[list[int]]):
-        import torch
-        return torch.tensor(prompts)
-
-    def hf_generate(x, n: int):
-        import torch
-        with torch.no_grad():
-            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     for dtype in dtypes:
         config, model, tokenizer = load("smollm2-135m", dtype)
