@@ -194,17 +194,26 @@ def dequantize_planes(data: jax.Array, scales: jax.Array | None, kv_format: str)
         return (data.astype(jnp.float32),)
     if kv_format != "int4":
         return (data.astype(jnp.float32) * scales.astype(jnp.float32),)
+    n_groups = scales.shape[-1] // 2
+    return int4_planes(data, scales[..., :n_groups], scales[..., n_groups:])
+
+
+def int4_planes(data: jax.Array, group_scales: jax.Array, group_lows: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """int4 data [..., D/2] with its groups' scales and lows [..., n_groups] -> the (even, odd)
+    float32 planes of `dequantize_planes`. Scales and lows come apart so that a kernel can load
+    each as its own block: slicing one loaded array has no Triton lowering."""
     d = data.astype(jnp.int32)
     lo = (d & 0xF).astype(jnp.float32)
     hi = ((d >> 4) & 0xF).astype(jnp.float32)
-    n_groups = scales.shape[-1] // 2
+    n_groups = group_scales.shape[-1]
     half = data.shape[-1] // n_groups  # packed columns per group: group // 2
     # Expand per-group values [..., n_groups] to one per packed column with a one-hot
     # select-and-sum (where, not multiply, so a NaN in another group cannot leak in): no reshape.
     col_group = jax.lax.broadcasted_iota(jnp.int32, (n_groups, data.shape[-1]), 1) // half
     hit = col_group == jax.lax.broadcasted_iota(jnp.int32, (n_groups, data.shape[-1]), 0)
     expand = lambda v: jnp.sum(jnp.where(hit, v.astype(jnp.float32)[..., :, None], 0.0), axis=-2)
-    s_full, low_full = expand(scales[..., :n_groups]), expand(scales[..., n_groups:])
+    s_full, low_full = expand(group_scales), expand(group_lows)
     return lo * s_full + low_full, hi * s_full + low_full
 
 

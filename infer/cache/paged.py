@@ -1,7 +1,9 @@
 """The paged KV cache: a pool of fixed-size pages per layer, read through per-sequence page tables.
 
-Layout per layer: `[P, G, K, Ds]` pages (P pages of G tokens, K kv heads, Ds stored head dim:
-D, or D/2 for int4), plus `[P, G, K, groups]` bfloat16 scales for the quantized formats. Which
+Layout per layer: head-major `[P, K, G, Ds]` pages (P pages, K kv heads, G tokens, Ds stored head
+dim: D, or D/2 for int4), plus `[P, K, G, groups]` bfloat16 scales for the quantized formats.
+Head-major because a page's tokens of one head are then one contiguous [G, Ds] tile: the block a
+TPU kernel fetches (Mosaic tiles the last two dims), and the run the reference gather copies. Which
 pages a sequence owns is the host's business (`infer.page_allocator`); on device a sequence is a
 row of `meta.page_tables`, and new tokens are written through the slot mapping
 `page * G + offset` that the metadata implies.
@@ -32,9 +34,9 @@ ATTENTION_BACKENDS = ("reference", "pallas")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    k: tuple[jax.Array, ...]  # L x [P, G, K, Ds]
+    k: tuple[jax.Array, ...]  # L x [P, K, G, Ds]
     v: tuple[jax.Array, ...]
-    k_scales: tuple[jax.Array, ...] | None  # L x [P, G, K, groups] for scaled formats
+    k_scales: tuple[jax.Array, ...] | None  # L x [P, K, G, groups] for scaled formats
     v_scales: tuple[jax.Array, ...] | None
     kv_format: str = dataclasses.field(default="float32", metadata=dict(static=True))
     backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
@@ -62,7 +64,7 @@ class PagedKVCache:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need at least one page of at least one token, got num_pages="
                              f"{num_pages}, page_size={page_size}")
-        shape = (num_pages, page_size, num_kv_heads, kv_quant.stored_head_dim(head_dim, kv_format))
+        shape = (num_pages, num_kv_heads, page_size, kv_quant.stored_head_dim(head_dim, kv_format))
         dtype = kv_quant.bits_dtype(kv_quant.storage_dtype(kv_format))
         pages = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         groups = kv_quant.scale_groups(head_dim, kv_format)
@@ -82,7 +84,7 @@ class PagedKVCache:
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def num_bytes(self) -> int:
@@ -108,14 +110,15 @@ class PagedKVCache:
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
         # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
+        g = self.page_size
         slots = jnp.concatenate([self._slots(meta).reshape(-1),
-                                 jnp.asarray([self.num_pages * self.page_size], jnp.int32)])
+                                 jnp.asarray([self.num_pages * g], jnp.int32)])
 
         def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+            # new [B, T, K, Ds] -> one [K, Ds] row per token, scattered to (page, :, offset).
             rows = kv_quant.to_bits(new.reshape(-1, *new.shape[2:]), pool.dtype)
             rows = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
-            flat = pool.reshape(-1, *pool.shape[2:])
-            return flat.at[slots].set(rows, mode="drop").reshape(pool.shape)
+            return pool.at[slots // g, :, slots % g].set(rows, mode="drop")
 
         def update(pools: tuple[jax.Array, ...] | None, new: jax.Array | None):
             if pools is None:
@@ -163,13 +166,12 @@ class PagedKVCache:
                 dtype: jnp.dtype) -> jax.Array:
         """The row's pages as head-major [B, K, n * G, D], dequantized."""
         b, n = page_tables.shape
-        # Transposing before dequantizing lets XLA fuse gather, transpose and dequantization
-        # into one pass over the pages.
-        data = pool[page_tables].transpose(0, 3, 1, 2, 4)
-        data = data.reshape(b, pool.shape[2], n * pool.shape[1], pool.shape[3])
+        _, k, g, _ = pool.shape
+        # [B, n, K, G, Ds] -> [B, K, n, G, Ds]: each (page, head) tile moves whole. Transposing
+        # before dequantizing lets XLA fuse gather, transpose and dequantization into one pass.
+        data = pool[page_tables].transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, pool.shape[3])
         if scales is not None:
-            scales = scales[page_tables].transpose(0, 3, 1, 2, 4)
-            scales = scales.reshape(b, pool.shape[2], n * pool.shape[1], scales.shape[-1])
+            scales = scales[page_tables].transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, -1)
         return kv_quant.dequantize(data, scales, self.kv_format, dtype)
 
 

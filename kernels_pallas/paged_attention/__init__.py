@@ -13,6 +13,8 @@ Files:
                 (batch, kv head, query-row block), a loop over pages read by dynamic index.
   reference.py  pure-jnp references of both entry points (and the gather / masked-softmax /
                 prefill-visibility helpers they are built from), the kernels' ground truth.
+  lowering.py   both entry points lowered for a real TPU or GPU from any host (CPU included):
+                the lowering matrix over formats, step kinds and model geometries.
 
 Why split this way: the two kernels differ only in how they walk the pages (grid and index maps
 vs. an in-kernel loop), so each backend's kernel sits in its own file next to its pallas_call and

@@ -3,8 +3,8 @@ and paged prefill attention (`paged_prefill_attention`, several new query tokens
 chunked prefill and speculative verification, chain: causal; tree: an explicit [T, T] mask),
 against a paged (optionally quantized) KV cache.
 
-Cache layout (one layer): k_pages, v_pages [P, G, K, Ds]; page_tables [B, max_pages] int32;
-lengths [B] int32; optional scales [P, G, K, groups] in kv_quant.SCALE_DTYPE (see kv_quant).
+Cache layout (one layer): k_pages, v_pages [P, K, G, Ds]; page_tables [B, max_pages] int32;
+lengths [B] int32; optional scales [P, K, G, groups] in kv_quant.SCALE_DTYPE (see kv_quant).
 
 For prefill the new tokens' K/V are already written into the pages. Row b has q_lens[b] <= T
 real queries; query i sits at slot start + i with start = lengths[b] - q_lens[b], sees every slot
@@ -19,11 +19,11 @@ TPU-style (`tpu.call_tpu`) or GPU-style (`gpu.call_gpu`) kernel.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.kv_quant import check_kv_format, scale_groups, storage_dtype, stored_head_dim
 from kernels_pallas.paged_attention.gpu import call_gpu
@@ -34,9 +34,10 @@ from kernels_pallas.paged_attention.tpu import call_tpu
 
 
 def _paged_attention_impl(q, k_pages, v_pages, lengths, q_lens, page_tables, k_scales, v_scales,
-                          tree_mask, *, kv_format, sm_scale, pages_per_block, backend, interpret):
+                          tree_mask, *, kv_format, sm_scale, pages_per_block, num_splits, backend,
+                          interpret):
     B, T, H, D = q.shape
-    K = k_pages.shape[2]
+    K = k_pages.shape[1]
     r = H // K
     # Rows of a block: the T tokens x r query heads of one kv head, row = t * r + j.
     qr = (q.astype(jnp.float32) * sm_scale).reshape(B, T, K, r, D)
@@ -52,12 +53,13 @@ def _paged_attention_impl(q, k_pages, v_pages, lengths, q_lens, page_tables, k_s
         outs = call_tpu(*args, kv_format=kv_format, ppb=min(pages_per_block, page_tables.shape[1]),
                         r=r, out_dtype=q.dtype, interpret=interpret)
     else:
-        outs = call_gpu(*args, kv_format=kv_format, r=r, out_dtype=q.dtype, interpret=interpret)
+        outs = call_gpu(*args, kv_format=kv_format, r=r, out_dtype=q.dtype, interpret=interpret,
+                        splits=num_splits)
     out = outs[0] if len(outs) == 1 else jnp.stack(outs, axis=-1).reshape(B, K, T * r, D)
     return jnp.einsum("bktrd->btkrd", out.reshape(B, K, T, r, D)).reshape(B, T, H, D)
 
 
-_STATIC = ("kv_format", "sm_scale", "pages_per_block", "backend", "interpret")
+_STATIC = ("kv_format", "sm_scale", "pages_per_block", "num_splits", "backend", "interpret")
 _jit_compiled = jax.jit(_paged_attention_impl, static_argnames=_STATIC)
 # The interpreter is a correctness tool: XLA's backend optimizations of its grid loop cost ~40%
 # of the compile time and buy nothing measurable at test sizes.
@@ -76,15 +78,34 @@ def _paged_attention_pallas(*args, interpret, **kwargs):
 # Backend choice and validation, shared by decode and prefill.
 
 
-def _resolve_backend(backend: str, interpret: Any) -> tuple[str, Any]:
+Interpret = bool | pltpu.InterpretParams | None
+
+
+class UnsupportedKernelConfig(ValueError):
+    """A valid request that a kernel cannot serve (a format with this head dim, a shape the
+    backend's lowering has no rule for): raised up front by the entry points, before lowering,
+    naming the constraint. Bad arguments (mismatched shapes, ids out of range) raise plain
+    ValueError."""
+
+
+def _resolve_backend(backend: str, interpret: Interpret) -> tuple[str, Interpret]:
     platform = jax.default_backend()
     if backend == "auto":
         backend = "gpu" if platform == "gpu" else "tpu"
     if backend not in ("tpu", "gpu"):
         raise ValueError(f"backend must be 'auto', 'tpu' or 'gpu', got {backend!r}")
-    if platform == "cpu" and interpret is False:
-        interpret = True  # Pallas compiles only for accelerators; CPU runs the interpreter
+    if interpret is None:
+        interpret = platform == "cpu"  # Pallas compiles only for accelerators
     return backend, interpret
+
+
+def _check_backend_limits(backend: str, k_pages: jax.Array) -> None:
+    """What a backend's lowering cannot do, refused before lowering starts."""
+    G = k_pages.shape[2]
+    if backend == "gpu" and G & (G - 1):
+        # Triton blocks are powers of two, and a page is the block the GPU kernel loads.
+        raise UnsupportedKernelConfig(f"the GPU kernel needs a power-of-two page size, got G={G} "
+                                      f"(k_pages {k_pages.shape})")
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -93,18 +114,22 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def _validate(q_shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scales, kv_format,
-              pages_per_block) -> None:
+              pages_per_block, num_splits) -> None:
     """Shape/dtype checks shared by decode and prefill; q_shape is (B, ..., H, D)."""
     check_kv_format(kv_format)
     B, H, D = q_shape[0], q_shape[-2], q_shape[-1]
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [P, G, K, Ds]")
-    P, G, K, Ds = k_pages.shape
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [P, K, G, Ds]")
+    P, K, G, Ds = k_pages.shape
     if H % K:
         raise ValueError(f"query heads H={H} (q {tuple(q_shape)}) must be a multiple of kv heads "
                          f"K={K} (k_pages {k_pages.shape})")
-    if Ds != stored_head_dim(D, kv_format):
-        raise ValueError(f"k_pages {k_pages.shape}: stored head dim {Ds} != {stored_head_dim(D, kv_format)} "
+    try:
+        want_ds = stored_head_dim(D, kv_format)
+    except ValueError as e:  # a real head dim this format cannot pack
+        raise UnsupportedKernelConfig(f"{e} (q {tuple(q_shape)})") from None
+    if Ds != want_ds:
+        raise ValueError(f"k_pages {k_pages.shape}: stored head dim {Ds} != {want_ds} "
                          f"for head dim D={D} (q {tuple(q_shape)}) in {kv_format}")
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
         if pages.dtype != storage_dtype(kv_format):
@@ -114,9 +139,9 @@ def _validate(q_shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scale
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
         if groups == 0 and scales is not None:
             raise ValueError(f"{kv_format} takes no scales, got {name} {scales.shape}")
-        if groups and (scales is None or scales.shape != (P, G, K, groups)):
+        if groups and (scales is None or scales.shape != (P, K, G, groups)):
             got = None if scales is None else scales.shape
-            raise ValueError(f"{kv_format} needs {name} of shape {(P, G, K, groups)} "
+            raise ValueError(f"{kv_format} needs {name} of shape {(P, K, G, groups)} "
                              f"(k_pages {k_pages.shape}), got {got}")
     if lengths.shape != (B,):
         raise ValueError(f"lengths {lengths.shape} must be [B] = ({B},) (q {tuple(q_shape)})")
@@ -128,6 +153,9 @@ def _validate(q_shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scale
             raise ValueError(f"{name} {x.shape} must be integer, got {x.dtype}")
     if pages_per_block < 1:
         raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+    if num_splits is not None and not 1 <= num_splits <= page_tables.shape[1]:
+        raise ValueError(f"num_splits must lie in [1, max_pages={page_tables.shape[1]}] "
+                         f"(page_tables {page_tables.shape}), got {num_splits}")
     capacity = page_tables.shape[1] * G
     lens = _concrete(lengths)
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) > capacity):
@@ -155,8 +183,9 @@ def paged_attention(
     kv_format: str = "float32",
     sm_scale: float | None = None,
     pages_per_block: int = 8,
+    num_splits: int | None = None,
     backend: str = "auto",
-    interpret: Any = False,
+    interpret: Interpret = None,
 ) -> jax.Array:
     """Decode attention of q [B, H, D] (one token per sequence) over the paged cache -> [B, H, D].
 
@@ -167,20 +196,25 @@ def paged_attention(
 
     Args:
       q: [B, H, D] queries, H a multiple of K.
-      k_pages, v_pages: [P, G, K, Ds] pages of G tokens in the storage dtype of kv_format; Ds is
+      k_pages, v_pages: [P, K, G, Ds] pages of G tokens in the storage dtype of kv_format; Ds is
         D, or D / 2 for int4.
       lengths: [B] integer, valid kv tokens of each row, in [0, max_pages * G].
       page_tables: [B, max_pages] integer page ids in [0, P).
-      k_scales, v_scales: [P, G, K, groups] (kv_quant.SCALE_DTYPE) for the scaled formats,
+      k_scales, v_scales: [P, K, G, groups] (kv_quant.SCALE_DTYPE) for the scaled formats,
         else None; groups = kv_quant.scale_groups(D, kv_format).
       kv_format: one of kv_quant.SUPPORTED_KV_FORMATS.
       sm_scale: softmax scale, default 1 / sqrt(D).
       pages_per_block: pages per grid step of the TPU kernel (the GPU kernel steps one page at a
         time).
+      num_splits: programs of the GPU kernel that share one sequence's pages, their partial
+        softmaxes merged afterwards (flash-decoding), in [1, max_pages]; None picks enough for
+        about 256 programs. The TPU kernel does not split.
       backend: "tpu", "gpu" or "auto" (by jax.default_backend(); on CPU the TPU-style kernel,
         interpreted).
-      interpret: True, or pltpu.InterpretParams() to run the TPU kernel under the TPU
-        interpreter; on CPU the kernels are always interpreted.
+      interpret: None (default) interprets on CPU and compiles on accelerators; True, or
+        pltpu.InterpretParams() for the TPU interpreter, interprets anywhere; False compiles
+        for `backend` even on a CPU host, which only lowering for another platform can use
+        (`kernels_pallas.paged_attention.lowering`).
 
     Returns:
       [B, H, D] in q's dtype.
@@ -188,14 +222,16 @@ def paged_attention(
     if q.ndim != 3:
         raise ValueError(f"q {q.shape} must be [B, H, D]")
     _validate(q.shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scales, kv_format,
-              pages_per_block)
+              pages_per_block, num_splits)
     backend, interpret = _resolve_backend(backend, interpret)
+    _check_backend_limits(backend, k_pages)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     # Decode is the one-token case of the prefill kernel: q_len 1 (0 for an empty sequence).
     q_lens = jnp.minimum(lengths, 1)
     out = _paged_attention_pallas(q[:, None], k_pages, v_pages, lengths, q_lens, page_tables,
                                   k_scales, v_scales, None, kv_format=kv_format, sm_scale=sm_scale,
-                                  pages_per_block=pages_per_block, backend=backend, interpret=interpret)
+                                  pages_per_block=pages_per_block, num_splits=num_splits,
+                                  backend=backend, interpret=interpret)
     return out[:, 0]
 
 
@@ -213,8 +249,9 @@ def paged_prefill_attention(
     kv_format: str = "float32",
     sm_scale: float | None = None,
     pages_per_block: int = 8,
+    num_splits: int | None = None,
     backend: str = "auto",
-    interpret: Any = False,
+    interpret: Interpret = None,
 ) -> jax.Array:
     """q [B, T, H, D] -> [B, T, H, D] in q's dtype (f32 accumulation).
 
@@ -225,19 +262,20 @@ def paged_prefill_attention(
 
     Args:
       q: [B, T, H, D] queries, H a multiple of K.
-      k_pages, v_pages: [P, G, K, Ds] pages of G tokens in the storage dtype of kv_format; Ds is
+      k_pages, v_pages: [P, K, G, Ds] pages of G tokens in the storage dtype of kv_format; Ds is
         D, or D / 2 for int4.
       lengths: [B] integer, valid kv tokens including the new ones, in [0, max_pages * G].
       q_lens: [B] integer, real queries of each row, in [0, T] and at most lengths.
       page_tables: [B, max_pages] integer page ids in [0, P).
       tree_mask: [B, T, T] bool (new token i sees new token j iff tree_mask[b, i, j]) or None
         (causal).
-      k_scales, v_scales: [P, G, K, groups] (kv_quant.SCALE_DTYPE) for the scaled formats,
+      k_scales, v_scales: [P, K, G, groups] (kv_quant.SCALE_DTYPE) for the scaled formats,
         else None; groups = kv_quant.scale_groups(D, kv_format).
       kv_format: one of kv_quant.SUPPORTED_KV_FORMATS.
       sm_scale: softmax scale, default 1 / sqrt(D).
       pages_per_block: pages per grid step of the TPU kernel (the GPU kernel steps one page at a
         time).
+      num_splits: as in `paged_attention`.
       backend: "tpu", "gpu" or "auto", as in `paged_attention`.
       interpret: as in `paged_attention`.
 
@@ -248,7 +286,7 @@ def paged_prefill_attention(
         raise ValueError(f"q {q.shape} must be [B, T, H, D]")
     B, T = q.shape[:2]
     _validate(q.shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scales, kv_format,
-              pages_per_block)
+              pages_per_block, num_splits)
     if q_lens.shape != (B,) or not jnp.issubdtype(q_lens.dtype, jnp.integer):
         raise ValueError(f"q_lens {q_lens.shape} {q_lens.dtype} must be integer [B] = ({B},) "
                          f"(q {q.shape})")
@@ -261,11 +299,12 @@ def paged_prefill_attention(
         raise ValueError(f"q_lens {qls.tolist()} exceed lengths {lens.tolist()}: the new tokens "
                          f"count in lengths")
     backend, interpret = _resolve_backend(backend, interpret)
+    _check_backend_limits(backend, k_pages)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     return _paged_attention_pallas(q, k_pages, v_pages, lengths, q_lens, page_tables, k_scales,
                                    v_scales, tree_mask, kv_format=kv_format, sm_scale=sm_scale,
-                                   pages_per_block=pages_per_block, backend=backend,
-                                   interpret=interpret)
+                                   pages_per_block=pages_per_block, num_splits=num_splits,
+                                   backend=backend, interpret=interpret)
 
 
 __all__ = ["paged_attention", "paged_prefill_attention"]

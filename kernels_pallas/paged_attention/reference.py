@@ -23,9 +23,9 @@ def gather_kv(pages: jax.Array, scales: jax.Array | None, page_tables: jax.Array
               kv_format: str) -> jax.Array:
     """Dequantized keys or values of every table slot: [B, max_pages * G, K, D] float32."""
     B, M = page_tables.shape
-    G = pages.shape[1]
+    _, K, G, _ = pages.shape
     x = dequantize(pages[page_tables], None if scales is None else scales[page_tables], kv_format)
-    return x.reshape(B, M * G, *x.shape[3:])
+    return x.transpose(0, 1, 3, 2, 4).reshape(B, M * G, K, x.shape[-1])
 
 
 def attend_reference(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,

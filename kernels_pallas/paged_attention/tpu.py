@@ -75,12 +75,12 @@ def call_tpu(q_planes, tree_rows, k_pages, v_pages, k_scales, v_scales, lengths,
              page_tables, *, kv_format, ppb, r, out_dtype, interpret):
     """pallas_call of the TPU-style kernel: q planes [B, K, rows, Dp] -> outputs of that shape.
 
-    tree_rows [B, rows, T] float 0/1 or None (causal); pages [P, G, K, Ds], scales [P, G, K,
+    tree_rows [B, rows, T] float 0/1 or None (causal); pages [P, K, G, Ds], scales [P, K, G,
     groups] or None; lengths, q_lens [B] int32; page_tables [B, max_pages] int32; ppb pages per
     grid step (at most max_pages); r query heads per kv head.
     """
     B, K, rows, Dp = q_planes[0].shape
-    _, G, _, Ds = k_pages.shape
+    _, _, G, Ds = k_pages.shape
     max_pages = page_tables.shape[1]
     n_blocks = pl.cdiv(max_pages, ppb)
     bk = ppb * G
@@ -93,8 +93,9 @@ def call_tpu(q_planes, tree_rows, k_pages, v_pages, k_scales, v_scales, lengths,
             # and to the table's end (max_pages need not be a multiple of ppb).
             last = jnp.maximum(pl.cdiv(lengths_ref[b], bk) - 1, 0)
             idx = jnp.minimum(jnp.minimum(blk, last) * ppb + j, max_pages - 1)
-            return pt_ref[b * max_pages + idx], 0, h, 0
-        return pl.BlockSpec((None, G, None, last_dim), index_map)
+            return pt_ref[b * max_pages + idx], h, 0, 0
+        # One (page, head) tile: its last two dims are the array's own, which Mosaic accepts.
+        return pl.BlockSpec((None, None, G, last_dim), index_map)
 
     q_spec = pl.BlockSpec((None, None, rows, Dp), lambda b, h, blk, *_: (b, h, 0, 0))
     in_specs, operands = [q_spec] * n_planes, list(q_planes)

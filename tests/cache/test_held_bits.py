@@ -63,5 +63,5 @@ def test_paged_cache_reads_back_what_it_wrote(kv_format: str) -> None:
     for row, (start, n) in enumerate([(4, 5), (6, 3)]):
         for i in range(n):
             slot = start + i
-            expected[tables[row, slot // g], slot % g] = stored[row, i]
+            expected[tables[row, slot // g], :, slot % g] = stored[row, i]
     np.testing.assert_array_equal(pages, expected)

@@ -47,8 +47,8 @@ def test_write_goes_through_the_slot_mapping() -> None:
     expected = np.zeros_like(np.asarray(cache.k[1]))
     for s in (5, 6, 7):
         page, off = [7, 2, 5][s // g], s % g
-        expected[page, off] = np.asarray(k[0, s - 5])
-    expected[1, 2] = np.asarray(k[1, 0])
+        expected[page, :, off] = np.asarray(k[0, s - 5])
+    expected[1, :, 2] = np.asarray(k[1, 0])
     np.testing.assert_array_equal(np.asarray(out.k[1]), expected)
     np.testing.assert_array_equal(np.asarray(out.v[1]), -expected)
     np.testing.assert_array_equal(np.asarray(out.k[0]), 0)  # other layers untouched
@@ -64,10 +64,12 @@ def test_quantized_write_stores_quantize_output(kv_format: str) -> None:
     data, scales = kv_quant.quantize(hadamard_rotate(k) if cache.rotate else k, kv_format)
     k_pages, _, k_scales, _ = out.pages(0)
     assert k_pages.dtype == kv_quant.storage_dtype(kv_format)
-    stored = np.concatenate([np.asarray(k_pages[3]), np.asarray(k_pages[0])])[:6]
+    # [K, G, Ds] pages, token-major for the comparison
+    token_major = lambda *pages: np.concatenate([np.asarray(p) for p in pages], 1).swapaxes(0, 1)
+    stored = token_major(k_pages[3], k_pages[0])[:6]
     np.testing.assert_array_equal(stored.view(np.uint8), np.asarray(data[0]).view(np.uint8))
     if scales is not None:
-        got = np.concatenate([np.asarray(k_scales[3]), np.asarray(k_scales[0])])[:6]
+        got = token_major(k_scales[3], k_scales[0])[:6]
         np.testing.assert_array_equal(got, np.asarray(scales[0]))
     # On CPU a float narrower than 32 bits is held as its bits, so that writes scatter in place
     # (kv_quant.bits_dtype); nothing else is.
@@ -147,7 +149,7 @@ def test_write_past_the_page_table_raises_eagerly_and_is_dropped_under_jit() -> 
         cache.write(0, k, k, meta)
     out = jax.jit(lambda c, m: c.write(0, k, k, m))(cache, meta)
     expected = np.zeros_like(np.asarray(cache.k[0]))
-    expected[2, 2:4] = np.asarray(k[0, :2])  # slots 6, 7: page 2, offsets 2 and 3
+    expected[2, :, 2:4] = np.asarray(k[0, :2]).swapaxes(0, 1)  # slots 6, 7: page 2, offsets 2, 3
     np.testing.assert_array_equal(np.asarray(out.k[0]), expected)
 
 

@@ -1,5 +1,7 @@
 """Paged decode / prefill attention kernels against their jnp references, and the references
-against a naive numpy attention.
+against a naive numpy attention over caches dequantized by tests/kernels/numpy_kv.py, a numpy
+reading of the format spec that shares no code with the kernels' dequantization, which is itself
+checked against kv_quant.dequantize here.
 
 The kernel class runs with interpret=True on CPU; on an accelerator the same class also runs
 compiled (the compiled variant is skipped on CPU). Every unused page and unused slot holds NaN
@@ -11,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,6 +21,8 @@ from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS, dequantize, quantize
 from kernels_pallas.paged_attention import (paged_attention, paged_attention_reference,
                                             paged_prefill_attention,
                                             paged_prefill_attention_reference)
+from tests.kernels.numpy_kv import (STORAGE_DTYPES, dequantize_np, int4_round_trip_bound,
+                                    quantize_int8_np)
 
 D = 64
 K = 2
@@ -29,7 +34,7 @@ MODES = [
 ]
 
 
-def make_cache(seed, kv_format, lengths, G, max_pages, extra_pages=3):
+def make_cache(seed, kv_format, lengths, G, max_pages, extra_pages=3, head_dim=D):
     """Random paged cache holding `lengths` tokens per row, page ids permuted, the rest NaN.
 
     Returns (k_pages, v_pages, k_scales, v_scales, page_tables)."""
@@ -47,12 +52,12 @@ def make_cache(seed, kv_format, lengths, G, max_pages, extra_pages=3):
             used[table[b, t // G], t % G] = True
     out = []
     for _ in range(2):
-        x = jnp.asarray(rng.standard_normal((P, G, K, D)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((P, K, G, head_dim)), jnp.float32)
         data, scales = quantize(x, kv_format)
         if scales is None or kv_format.startswith("float8"):
-            data = jnp.where(used[:, :, None, None], data, jnp.nan).astype(data.dtype)
+            data = jnp.where(used[:, None, :, None], data, jnp.nan).astype(data.dtype)
         if scales is not None:
-            scales = jnp.where(used[:, :, None, None], scales, jnp.nan)
+            scales = jnp.where(used[:, None, :, None], scales, jnp.nan)
         out += [data, scales]
     k, ks, v, vs = out
     return k, v, ks, vs, jnp.asarray(table, jnp.int32)
@@ -106,7 +111,7 @@ def decode_length_sets(G, B):
 # int4 has T * r = 66 query rows: two row blocks in the GPU kernel.
 PREFILL_CASES = [
     ("float32", 8, 3, 5, False, 2),
-    ("int8", 16, 1, 4, True, 1),
+    ("int8", 16, 1, 5, True, 1),  # a tree of 5: Triton pads it to 8
     ("int4", 16, 3, 22, False, 3),
 ]
 
@@ -174,6 +179,47 @@ class TestPagedKernels:
             for b, (_, n) in enumerate(rows):
                 assert np.all(out[b, n:] == 0), "padding query rows must be zero"
 
+    @pytest.mark.parametrize("backend", ["tpu", "gpu"])
+    @pytest.mark.parametrize("kv_format", ["float32", "int8"])
+    def test_head_dim_not_a_power_of_two(self, interpret, backend, kv_format):
+        """D = 80 (Phi-2): the GPU kernel pads to 128 columns with masked loads."""
+        backend = backend_or_skip(backend, interpret)
+        G, d, lengths = 8, 80, [1, 8, 17]
+        k, v, ks, vs, table = make_cache(40, kv_format, lengths, G, MAX_PAGES, head_dim=d)
+        rng = np.random.default_rng(41)
+        lens, q_lens = jnp.asarray(lengths, jnp.int32), jnp.asarray([1, 3, 2], jnp.int32)
+        kw = dict(k_scales=ks, v_scales=vs, kv_format=kv_format)
+        q = jnp.asarray(rng.standard_normal((3, 3, K * 2, d)), jnp.float32)
+        out = paged_prefill_attention(q, k, v, lens, q_lens, table, **kw, backend=backend,
+                                      interpret=interpret)
+        ref = paged_prefill_attention_reference(q, k, v, lens, q_lens, table, **kw)
+        assert out.shape == q.shape
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref),
+                                   **tolerance(jnp.float32, interpret))
+        out = paged_attention(q[:, 0], k, v, lens, table, **kw, backend=backend,
+                              interpret=interpret)
+        ref = paged_attention_reference(q[:, 0], k, v, lens, table, **kw)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref),
+                                   **tolerance(jnp.float32, interpret))
+
+    @pytest.mark.parametrize("num_splits", [1, 2, 3])
+    def test_gpu_sequence_splits(self, interpret, num_splits):
+        """Flash-decoding: however the pages are shared among programs (2 splits of 3 pages
+        leave the second with one page, or none for short rows), the merged softmax is the
+        reference's."""
+        backend = backend_or_skip("gpu", interpret)
+        lengths = [0, 1, 7, 9, 24]
+        k, v, ks, vs, table = make_cache(50, "int8", lengths, 8, MAX_PAGES)
+        q = jnp.asarray(np.random.default_rng(50).standard_normal((5, K * 3, D)), jnp.float32)
+        lens = jnp.asarray(lengths, jnp.int32)
+        kw = dict(k_scales=ks, v_scales=vs, kv_format="int8")
+        out = paged_attention(q, k, v, lens, table, **kw, num_splits=num_splits, backend=backend,
+                              interpret=interpret)
+        ref = paged_attention_reference(q, k, v, lens, table, **kw)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref),
+                                   **tolerance(jnp.float32, interpret))
+        assert np.all(np.asarray(out)[0] == 0)
+
     def test_decode_under_jit_with_traced_lengths(self, interpret):
         k, v, _, _, table = make_cache(0, "float32", [5, 17], 8, MAX_PAGES)
         q = jnp.asarray(np.random.default_rng(0).standard_normal((2, K * 3, D)), jnp.float32)
@@ -220,51 +266,166 @@ def naive_attention(q, k, v, visible):
 
 
 def dequantized_sequence(pages, scales, table_row, n, kv_format):
-    x = np.asarray(dequantize(pages, scales, kv_format), np.float64)  # [P, G, K, D]
-    G = x.shape[1]
-    return np.stack([x[table_row[t // G], t % G] for t in range(n)]) if n else np.zeros((0, K, D))
+    """Row's first n tokens [n, K, D] float64, through numpy_kv rather than kv_quant."""
+    x = dequantize_np(pages, scales, kv_format)  # [P, K, G, D]
+    G = x.shape[2]
+    if n == 0:
+        return np.zeros((0, K, x.shape[-1]))
+    return np.stack([x[table_row[t // G], :, t % G] for t in range(n)])
 
 
-@pytest.mark.parametrize("kv_format", ["float32", "int8", "int4", "float8_e5m2"])
+NAIVE_G = 8
+# Rows of 0, 1, G-1, G, G+1 and max_pages * G tokens.
+NAIVE_LENGTHS = [0, 1, NAIVE_G - 1, NAIVE_G, NAIVE_G + 1, MAX_PAGES * NAIVE_G]
+
+
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS)
 def test_decode_reference_matches_naive(kv_format):
-    G, lengths = 8, [0, 1, 9, 24]
-    k, v, ks, vs, table = make_cache(5, kv_format, lengths, G, MAX_PAGES)
-    q = np.random.default_rng(5).standard_normal((len(lengths), 6, D)).astype(np.float32)
-    ref = paged_attention_reference(jnp.asarray(q), k, v, jnp.asarray(lengths), table,
-                                    k_scales=ks, v_scales=vs, kv_format=kv_format)
+    k, v, ks, vs, table = make_cache(5, kv_format, NAIVE_LENGTHS, NAIVE_G, MAX_PAGES)
+    q = np.random.default_rng(5).standard_normal((len(NAIVE_LENGTHS), 6, D)).astype(np.float32)
+    ref = np.asarray(paged_attention_reference(
+        jnp.asarray(q), k, v, jnp.asarray(NAIVE_LENGTHS), table, k_scales=ks, v_scales=vs,
+        kv_format=kv_format))
+    assert np.isfinite(ref).all(), "NaN leaked from an unused page"
     tab = np.asarray(table)
-    for b, n in enumerate(lengths):
+    for b, n in enumerate(NAIVE_LENGTHS):
         kb = dequantized_sequence(k, ks, tab[b], n, kv_format)
         vb = dequantized_sequence(v, vs, tab[b], n, kv_format)
         want = naive_attention(q[b, None].astype(np.float64), kb, vb, np.ones((1, n), bool))[0]
-        np.testing.assert_allclose(np.asarray(ref[b]), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ref[b], want, rtol=1e-5, atol=1e-5, err_msg=f"length {n}")
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_prefill_reference_matches_naive(tree):
-    G, T = 8, 4
-    rows = [(G, T), (3, 3), (0, 0)]  # page-boundary start; mid-page start with a padding row
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS)
+def test_prefill_reference_matches_naive(kv_format, tree):
+    G, T = NAIVE_G, 4
+    # (start, q_len) with lengths start + q_len = 0, 1, G-1, G, G+1, max and a page-boundary
+    # start; q_len < T leaves padding rows, (G-1, 2) crosses a page boundary.
+    rows = [(0, 0), (0, 1), (3, T), (G - 3, 3), (G - 1, 2), (MAX_PAGES * G - T, T), (G, T)]
+    assert [s + n for s, n in rows][:6] == NAIVE_LENGTHS
     lengths = [s + n for s, n in rows]
-    k, v, _, _, table = make_cache(6, "float32", lengths, G, MAX_PAGES)
+    k, v, ks, vs, table = make_cache(6, kv_format, lengths, G, MAX_PAGES)
     rng = np.random.default_rng(6)
     q = rng.standard_normal((len(rows), T, 6, D)).astype(np.float32)
     tm = rng.random((len(rows), T, T)) < 0.5
     tm[:, np.arange(T), np.arange(T)] = True
     ref = np.asarray(paged_prefill_attention_reference(
         jnp.asarray(q), k, v, jnp.asarray(lengths), jnp.asarray([n for _, n in rows]), table,
-        tree_mask=jnp.asarray(tm) if tree else None))
+        tree_mask=jnp.asarray(tm) if tree else None, k_scales=ks, v_scales=vs,
+        kv_format=kv_format))
+    assert np.isfinite(ref).all(), "NaN leaked from an unused page"
     tab = np.asarray(table)
     for b, (start, n) in enumerate(rows):
-        kb = dequantized_sequence(k, None, tab[b], start + n, "float32")
-        vb = dequantized_sequence(v, None, tab[b], start + n, "float32")
+        kb = dequantized_sequence(k, ks, tab[b], start + n, kv_format)
+        vb = dequantized_sequence(v, vs, tab[b], start + n, kv_format)
         visible = np.zeros((T, start + n), bool)
         for i in range(n):
             visible[i, :start] = True
             for j in range(n):
                 visible[i, start + j] = tm[b, i, j] if tree else j <= i
         want = naive_attention(q[b].astype(np.float64), kb, vb, visible)
-        np.testing.assert_allclose(ref[b], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ref[b], want, rtol=1e-5, atol=1e-5, err_msg=str(rows[b]))
         assert np.all(ref[b, n:] == 0)
+
+
+# --- numpy_kv against kv_quant: a bug in either shows up here --------------------------------
+
+
+def random_stored(rng, kv_format, shape, D):
+    """Random stored data [*shape, Ds] and scales of `kv_format`, not made by quantize: every
+    code of the narrow formats, zero and negative scales, int4 lows of both signs."""
+    lead = tuple(shape)
+    bf16 = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+    if kv_format == "int4":
+        data = rng.integers(0, 256, size=(*lead, D // 2), dtype=np.uint8)
+        n = D // min(32, D)
+        scale = np.abs(rng.standard_normal((*lead, n))) * 10.0 ** rng.uniform(-3, 2, (*lead, n))
+        scale[..., 0, :] = 0.0  # a zero vector's scale
+        low = rng.standard_normal((*lead, n)) * 10.0 ** rng.uniform(-3, 2, (*lead, n))
+        return data, bf16(np.concatenate([scale, low], axis=-1))
+    dtype = STORAGE_DTYPES[kv_format]
+    if kv_format == "int8":
+        data = rng.integers(-128, 128, size=(*lead, D), dtype=np.int8)
+    elif dtype.itemsize == 1:  # float8: all 256 codes, NaN and inf included
+        data = np.resize(np.arange(256, dtype=np.uint8), (*lead, D)).view(dtype)
+        data = rng.permuted(data.reshape(-1)).reshape(data.shape)
+    else:
+        mag = 10.0 ** rng.uniform(-6, 4, (*lead, D))
+        data = (rng.standard_normal((*lead, D)) * mag).astype(np.float32).astype(dtype)
+    if kv_format in ("float32", "bfloat16", "float16"):
+        return data, None
+    scale = np.abs(rng.standard_normal((*lead, 1))) * 10.0 ** rng.uniform(-3, 2, (*lead, 1))
+    scale[..., 0, :] = 0.0
+    return data, bf16(scale)
+
+
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS)
+def test_numpy_dequantize_matches_kv_quant(kv_format):
+    rng = np.random.default_rng(7)
+    for head_dim in (16, 64, 96):  # int4: one group of D < 32, then two and three groups of 32
+        data, scales = random_stored(rng, kv_format, (3, K, 8), head_dim)
+        got = np.asarray(dequantize(jnp.asarray(data), None if scales is None
+                                    else jnp.asarray(scales), kv_format))
+        with np.errstate(invalid="ignore"):  # float8's inf codes times a zero scale: NaN
+            want = dequantize_np(data, scales, kv_format)
+        assert got.shape == want.shape == (3, K, 8, head_dim) and got.dtype == np.float32
+        # Products are exact in float32 too: only int4's add of the low rounds, once.
+        np.testing.assert_allclose(got, want, rtol=2.0 ** -23, atol=0,
+                                   err_msg=f"{kv_format} D={head_dim}")
+
+
+def test_numpy_int4_dequantize_by_hand():
+    """The spec's int4 layout on a case worked by hand, so numpy_kv cannot drift with kv_quant:
+    D = 64 is two groups of 32; byte i holds elements 2i (low nibble) and 2i + 1 (high)."""
+    data = np.zeros((1, 32), np.uint8)
+    data[0, 0] = 0x21  # elements 0, 1 -> q 1, 2
+    data[0, 16] = 0xF3  # elements 32, 33 (group 1) -> q 3, 15
+    scales = np.asarray([[0.5, 2.0, -1.0, 4.0]], np.float32).astype(ml_dtypes.bfloat16)
+    x = dequantize_np(data, scales, "int4")[0]
+    want = np.concatenate([np.full(32, -1.0), np.full(32, 4.0)])
+    want[[0, 1, 32, 33]] = [-0.5, 0.0, 10.0, 34.0]
+    np.testing.assert_array_equal(x, want)
+
+
+def skewed_vectors(rng, shape):
+    """Random vectors over seven decades, with a zero vector and one-signed ones (int4's low
+    far from zero), as float32."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 3, (*shape[:-1], 1))
+    x[..., 0, :] = 0.0  # a zero vector
+    x[..., 1, :] = np.abs(x[..., 1, :]) + 5.0  # all positive: a low far from zero
+    x[..., 2, :] = -np.abs(x[..., 2, :]) - 5.0
+    return x.astype(np.float32)
+
+
+def test_int8_quantize_matches_numpy_bit_for_bit():
+    rng = np.random.default_rng(8)
+    x = skewed_vectors(rng, (4, K, 8, D))
+    data, scales = quantize(jnp.asarray(x), "int8")
+    want_data, want_scales = quantize_int8_np(x)
+    np.testing.assert_array_equal(np.asarray(data), want_data)
+    np.testing.assert_array_equal(np.asarray(scales).view(np.uint16), want_scales.view(np.uint16))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 96])
+def test_int4_round_trip_within_half_a_step(head_dim):
+    """kv_quant.quantize read back by numpy_kv: a packing or scale-order mismatch between the two
+    lands values far off. The stored scales must also be tight (low at most the group's minimum,
+    step about its range / 15), or a loose scale would hide errors under a wide bound."""
+    rng = np.random.default_rng(9)
+    x = skewed_vectors(rng, (4, K, 8, head_dim))
+    data, scales = quantize(jnp.asarray(x), "int4")
+    data, scales = np.asarray(data), np.asarray(scales)
+    err = np.abs(dequantize_np(data, scales, "int4") - x)
+    bound = int4_round_trip_bound(x, scales)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+    g = min(32, head_dim)
+    n = head_dim // g
+    xg = x.astype(np.float64).reshape(*x.shape[:-1], n, g)
+    step, low = scales[..., :n].astype(np.float64), scales[..., n:].astype(np.float64)
+    gmin, gmax = xg.min(-1), xg.max(-1)
+    assert np.all(low <= gmin) and np.all(low >= gmin - np.abs(gmin) * 2.0 ** -7)
+    # bfloat16 rounding of the step, and of the low widening the range
+    np.testing.assert_allclose(step, (gmax - low) / 15, rtol=2.0 ** -8, atol=0)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -279,7 +440,7 @@ def _small_cache(kv_format="float32"):
 def test_validation_page_index_out_of_range():
     q, k, v, _, _, table = _small_cache()
     bad = table.at[1, 1].set(k.shape[0])  # P is one past the last page
-    with pytest.raises(ValueError, match=r"page_tables \(2, 2\).*k_pages \(7, 8, 2, 64\)"):
+    with pytest.raises(ValueError, match=r"page_tables \(2, 2\).*k_pages \(7, 2, 8, 64\)"):
         paged_attention(q, k, v, jnp.asarray([5, 9]), bad)
 
 
@@ -304,9 +465,9 @@ def test_validation_formats_and_scales():
     lens = jnp.asarray([5, 9])
     with pytest.raises(ValueError, match="supported: float32"):
         paged_attention(q, k, v, lens, table, kv_format="int3")
-    with pytest.raises(ValueError, match=r"k_scales of shape \(7, 8, 2, 1\)"):
+    with pytest.raises(ValueError, match=r"k_scales of shape \(7, 2, 8, 1\)"):
         paged_attention(q, k, v, lens, table, kv_format="int8")
-    with pytest.raises(ValueError, match=r"k_pages \(7, 8, 2, 64\) has dtype int8"):
+    with pytest.raises(ValueError, match=r"k_pages \(7, 2, 8, 64\) has dtype int8"):
         paged_attention(q, k, v, lens, table, kv_format="float32")
     with pytest.raises(ValueError, match=r"stored head dim 64 != 32"):
         paged_attention(q, k.view(jnp.uint8), v.view(jnp.uint8), lens, table, k_scales=ks,

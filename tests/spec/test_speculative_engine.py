@@ -104,8 +104,8 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weig
             plain = plain_keys(jnp.asarray(tokens), jnp.asarray(n, jnp.int32))
             slots = np.array([seq.pages.slot(t) for t in range(n)])
             for layer in range(TINY.num_layers):
-                pool = np.asarray(engine.runner.cache.k[layer])  # [P, G, K, D]
-                paged = pool.reshape(-1, *pool.shape[2:])[slots]  # [n, K, D]
+                pool = np.asarray(engine.runner.cache.k[layer])  # [P, K, G, D]
+                paged = pool.swapaxes(1, 2).reshape(-1, *pool.shape[1::2])[slots]  # [n, K, D]
                 want = np.asarray(plain[layer])[:, :n].transpose(1, 0, 2)  # [K, n, D] -> [n, K, D]
                 np.testing.assert_allclose(paged, want, atol=1e-5)
     stats = engine.speculative_stats()

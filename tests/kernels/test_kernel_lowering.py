@@ -1,0 +1,61 @@
+"""Every kernel lowered for a real TPU and a real GPU on this CPU: the Mosaic and Triton lowering
+rules run, block-shape checks included, which interpret mode never does.
+
+Each cell of the matrix (platform x KV format x step kind x model geometry) must lower to the
+platform's kernel call, or be refused up front by the entry point with UnsupportedKernelConfig
+naming the constraint; a lowering crash fails the test.
+"""
+
+import pytest
+
+from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS
+from kernels_pallas.paged_attention import lowering
+from kernels_pallas.paged_attention.api import UnsupportedKernelConfig
+
+# What each platform's lowering emits for a Pallas kernel; the interpreter emits neither.
+KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "xla.gpu.triton"}
+
+
+def refused_on_purpose(kv_format: str, geometry: lowering.Geometry) -> bool:
+    """int4 packs groups of 32 along the head dim, which 80 is not a multiple of."""
+    return kv_format == "int4" and geometry.head_dim % 32 != 0
+
+
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS)
+@pytest.mark.parametrize("platform", lowering.PLATFORMS)
+def test_every_cell_lowers_or_is_refused(platform: str, kv_format: str) -> None:
+    cells = lowering.lowering_matrix(platforms=(platform,), kv_formats=(kv_format,))
+    assert len(cells) == len(lowering.STEP_KINDS) * len(lowering.GEOMETRIES)
+    by_geometry = {g.name: g for g in lowering.GEOMETRIES}
+    for cell in cells:
+        where = f"{cell.platform} {cell.kv_format} {cell.step} {cell.geometry}: {cell.detail}"
+        assert cell.outcome != "fails", where
+        want = "refused" if refused_on_purpose(kv_format, by_geometry[cell.geometry]) else "lowers"
+        assert cell.outcome == want, where
+        if cell.outcome == "refused":
+            assert "head dim" in cell.detail and "D=80" in cell.detail, where
+
+
+@pytest.mark.parametrize("platform", lowering.PLATFORMS)
+def test_lowering_emits_the_platform_kernel(platform: str) -> None:
+    """The matrix is only worth something if it lowers the compiled kernel, not the interpreter
+    (which is plain XLA and lowers anywhere)."""
+    for kind in lowering.STEP_KINDS:
+        text = lowering.lower(platform, "int8", kind, lowering.GEOMETRIES[0]).as_text()
+        assert KERNEL_CALL[platform] in text, kind
+
+
+@pytest.mark.parametrize("page_size", [8, 12, 32])
+def test_page_sizes(page_size: int) -> None:
+    kind, geometry = lowering.STEP_KINDS[0], lowering.GEOMETRIES[1]
+    lowering.lower("tpu", "bfloat16", kind, geometry, page_size=page_size)
+    if page_size & (page_size - 1):
+        with pytest.raises(UnsupportedKernelConfig, match=f"power-of-two page size, got G={page_size}"):
+            lowering.lower("cuda", "bfloat16", kind, geometry, page_size=page_size)
+    else:
+        lowering.lower("cuda", "bfloat16", kind, geometry, page_size=page_size)
+
+
+def test_unknown_platform() -> None:
+    with pytest.raises(ValueError, match="platform must be one of"):
+        lowering.lower("rocm", "float32", lowering.STEP_KINDS[0], lowering.GEOMETRIES[0])
