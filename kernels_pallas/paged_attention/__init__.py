@@ -2,9 +2,11 @@
 prefill, speculative verification) against a paged, optionally quantized KV cache.
 
 Files:
-  api.py        the public entry points `paged_attention` and `paged_prefill_attention`, side by
-                side: argument validation, backend choice ("tpu" / "gpu" / "auto"), the layout of
-                queries as kernel rows, and the jit wrappers that call one of the two kernels.
+  api.py        the public entry points `paged_attention`, `paged_prefill_attention` and
+                `ragged_paged_attention` (a mixed batch of decode rows and prefill chunks, by
+                cumulative query lengths), side by side: argument validation, backend choice
+                ("tpu" / "gpu" / "auto"), the layout of queries as kernel rows, and the jit
+                wrappers that call one of the two kernels.
   common.py     the block math both kernels share (visibility mask, scores, online-softmax step,
                 finalize) and its constants; plain jnp on already-loaded blocks.
   tpu.py        the TPU-style kernel and its pallas_call: scalar-prefetched page table, grid
@@ -27,9 +29,12 @@ across files.
 Quantized storage formats are `kernels_pallas.kv_quant`'s.
 """
 
-from kernels_pallas.paged_attention.api import paged_attention, paged_prefill_attention
+from kernels_pallas.paged_attention.api import (paged_attention, paged_prefill_attention,
+                                                ragged_paged_attention)
 from kernels_pallas.paged_attention.reference import (paged_attention_reference,
-                                                      paged_prefill_attention_reference)
+                                                      paged_prefill_attention_reference,
+                                                      ragged_paged_attention_reference)
 
-__all__ = ["paged_attention", "paged_prefill_attention", "paged_attention_reference",
-           "paged_prefill_attention_reference"]
+__all__ = ["paged_attention", "paged_prefill_attention", "ragged_paged_attention",
+           "paged_attention_reference", "paged_prefill_attention_reference",
+           "ragged_paged_attention_reference"]

@@ -307,4 +307,86 @@ def paged_prefill_attention(
                                    backend=backend, interpret=interpret)
 
 
-__all__ = ["paged_attention", "paged_prefill_attention"]
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    cu_q_lens: jax.Array,
+    page_tables: jax.Array,
+    *,
+    max_q_len: int,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    kv_format: str = "float32",
+    sm_scale: float | None = None,
+    pages_per_block: int = 8,
+    num_splits: int | None = None,
+    backend: str = "auto",
+    interpret: Interpret = None,
+) -> jax.Array:
+    """Causal attention of a ragged batch: q [N, H, D] -> [N, H, D], one call for decode rows
+    and prefill chunks of any lengths (a mixed step), as tpu-inference's ragged paged attention.
+
+    Row b's queries are q[cu_q_lens[b]:cu_q_lens[b + 1]], its q_len new tokens, already written
+    into the pages: they are the last q_len of its lengths[b] tokens, each seeing every slot
+    up to its own. Tokens from cu_q_lens[B] to N are padding and give zeros. The kernels run
+    over the rows padded to max_q_len queries and skip every block of padding queries, so a
+    decode row costs one query block, not max_q_len.
+
+    Args:
+      q: [N, H, D] queries of every row, row after row.
+      k_pages, v_pages, k_scales, v_scales, page_tables, kv_format, sm_scale, pages_per_block,
+        num_splits, backend, interpret: as in `paged_attention`.
+      lengths: [B] integer, each row's tokens including its new ones.
+      cu_q_lens: [B + 1] integer cumulative query counts: 0, then nondecreasing, at most N.
+      max_q_len: static bound on any row's queries (the chunk size of a mixed step).
+
+    Returns:
+      [N, H, D] in q's dtype.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q {q.shape} must be [N, H, D]")
+    B = page_tables.shape[0] if page_tables.ndim == 2 else -1
+    if cu_q_lens.shape != (B + 1,) or not jnp.issubdtype(cu_q_lens.dtype, jnp.integer):
+        raise ValueError(f"cu_q_lens {cu_q_lens.shape} {cu_q_lens.dtype} must be integer "
+                         f"[B + 1] = ({B + 1},) (page_tables {page_tables.shape})")
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"max_q_len must be a positive int, got {max_q_len!r}")
+    _validate((B,) + q.shape[1:], k_pages, v_pages, lengths, page_tables, k_scales, v_scales,
+              kv_format, pages_per_block, num_splits)
+    cu, lens = _concrete(cu_q_lens), _concrete(lengths)
+    if cu is not None:
+        q_lens = np.diff(cu)
+        if cu[0] != 0 or (q_lens < 0).any() or cu[-1] > q.shape[0]:
+            raise ValueError(f"cu_q_lens {cu.tolist()} must start at 0, never decrease and end "
+                             f"at most at N={q.shape[0]} (q {q.shape})")
+        if q_lens.max(initial=0) > max_q_len:
+            raise ValueError(f"cu_q_lens {cu.tolist()} holds a row of {q_lens.max()} queries, "
+                             f"more than max_q_len={max_q_len}")
+        if lens is not None and (q_lens > lens).any():
+            raise ValueError(f"query counts {q_lens.tolist()} (cu_q_lens) exceed lengths "
+                             f"{lens.tolist()}: the new tokens count in lengths")
+    backend, interpret = _resolve_backend(backend, interpret)
+    _check_backend_limits(backend, k_pages)
+    sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    # Rows padded to max_q_len: token t of row b is q[cu[b] + t] for t < q_lens[b].
+    t = jnp.arange(max_q_len)
+    index = jnp.clip(cu_q_lens[:-1, None] + t, 0, q.shape[0] - 1)
+    real = t < q_lens[:, None]
+    padded = jnp.where(real[..., None, None], q[index], 0).astype(q.dtype)
+    out = _paged_attention_pallas(padded, k_pages, v_pages, lengths, q_lens, page_tables,
+                                  k_scales, v_scales, None, kv_format=kv_format,
+                                  sm_scale=sm_scale, pages_per_block=pages_per_block,
+                                  num_splits=num_splits, backend=backend, interpret=interpret)
+    # Back to token order: token n is query n - cu[b] of the row b whose range holds it.
+    n = jnp.arange(q.shape[0])
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, n, side="right") - 1, 0, B - 1)
+    flat = out[row, jnp.clip(n - cu_q_lens[row], 0, max_q_len - 1)]
+    return jnp.where((n < cu_q_lens[-1])[:, None, None], flat, 0).astype(q.dtype)
+
+
+__all__ = ["paged_attention", "paged_prefill_attention", "ragged_paged_attention",
+           "UnsupportedKernelConfig"]

@@ -75,6 +75,8 @@ def _gpu_kernel(lengths_ref, q_lens_ref, pt_ref, *refs, kv_format, n_planes, r, 
     # This program's share of the sequence's pages; past the length it has none.
     first = split * pages_per_split
     last = jnp.minimum(first + pages_per_split, pl.cdiv(length, G))
+    # A block of padding rows (past the row's queries) has nothing to attend.
+    last = jnp.where(row_blk * rb < q_len * r, last, first)
     m, l, accs = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
     m_ref[...], l_ref[...] = m, l
     for acc_ref, acc in zip(acc_refs, accs):

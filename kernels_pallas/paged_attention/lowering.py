@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from kernels_pallas.kv_quant import (SCALE_DTYPE, SUPPORTED_KV_FORMATS, scale_groups, storage_dtype,
                                      stored_head_dim)
 from kernels_pallas.paged_attention.api import (UnsupportedKernelConfig, paged_attention,
-                                                paged_prefill_attention)
+                                                paged_prefill_attention, ragged_paged_attention)
 
 PLATFORMS: tuple[str, ...] = ("tpu", "cuda")
 _BACKEND = {"tpu": "tpu", "cuda": "gpu"}  # lowering platform -> the entry points' backend
@@ -50,10 +50,12 @@ GEOMETRIES: tuple[Geometry, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class StepKind:
-    """One kind of attention call the engine makes: T new queries per row, causal or a tree."""
+    """One kind of attention call the engine makes: T new queries per row, causal or a tree;
+    ragged: rows of up to T queries, flat (decode rows and prefill chunks in one call)."""
     name: str
     tokens: int
     tree: bool = False
+    ragged: bool = False
 
 
 # Verification sizes that are not powers of two on purpose: four drafts plus the bonus token,
@@ -63,6 +65,7 @@ STEP_KINDS: tuple[StepKind, ...] = (
     StepKind("prefill chunk", 16),
     StepKind("chain verify", 5),
     StepKind("tree verify", 15, tree=True),
+    StepKind("mixed (ragged)", 16, ragged=True),
 )
 
 Outcome = Literal["lowers", "refused", "fails"]
@@ -96,9 +99,13 @@ def _abstract_args(kind: StepKind, geometry: Geometry, kv_format: str, batch: in
     rows = sds((batch,), jnp.int32)
     q_shape = (batch, geometry.num_heads, D) if kind.tokens == 1 else (
         batch, kind.tokens, geometry.num_heads, D)
+    if kind.ragged:  # one row's chunk, the other rows' single tokens
+        q_shape = (kind.tokens + batch - 1, geometry.num_heads, D)
     args = dict(q=sds(q_shape, jnp.float32), k_pages=pages, v_pages=pages, lengths=rows,
                 page_tables=sds((batch, max_pages), jnp.int32), k_scales=scales, v_scales=scales)
-    if kind.tokens > 1:
+    if kind.ragged:
+        args["cu_q_lens"] = sds((batch + 1,), jnp.int32)
+    elif kind.tokens > 1:
         args["q_lens"] = rows
         args["tree_mask"] = sds((batch, kind.tokens, kind.tokens), jnp.bool_) if kind.tree else None
     return args
@@ -112,11 +119,13 @@ def lower(platform: str, kv_format: str, kind: StepKind, geometry: Geometry, *, 
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     args = _abstract_args(kind, geometry, kv_format, batch, page_size, max_pages, num_pages)
     entry = paged_attention if kind.tokens == 1 else paged_prefill_attention
+    static = dict(kv_format=kv_format, backend=_BACKEND[platform], interpret=False)
+    if kind.ragged:
+        entry, static["max_q_len"] = ragged_paged_attention, kind.tokens
     names = list(args)
 
     def call(*values):
-        kw = dict(zip(names, values))
-        return entry(**kw, kv_format=kv_format, backend=_BACKEND[platform], interpret=False)
+        return entry(**dict(zip(names, values)), **static)
 
     lowering = lambda: jax.jit(call).trace(*args.values()).lower(lowering_platforms=(platform,))
     if platform != "tpu":

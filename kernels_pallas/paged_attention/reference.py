@@ -114,5 +114,39 @@ def paged_prefill_attention_reference(
     return attend_reference(q, k, v, visible, row_ok, sm_scale)
 
 
-__all__ = ["gather_kv", "attend_reference", "prefill_visibility", "paged_attention_reference",
+@functools.partial(jax.jit, static_argnames=("kv_format", "sm_scale"))
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    cu_q_lens: jax.Array,
+    page_tables: jax.Array,
+    *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    kv_format: str = "float32",
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Pure-jnp ragged_paged_attention, token by token: each of the N queries finds its row
+    and position from cu_q_lens and attends to its row's gathered keys, with no padded rows
+    (the kernels' path pads, so the two meet only in their results)."""
+    N, H, D = q.shape
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    k = gather_kv(k_pages, k_scales, page_tables, kv_format)  # [B, S, K, D]
+    v = gather_kv(v_pages, v_scales, page_tables, kv_format)
+    n = jnp.arange(N)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, n, side="right") - 1, 0, page_tables.shape[0] - 1)
+    q_len = cu_q_lens[row + 1] - cu_q_lens[row]
+    position = lengths[row] - q_len + n - cu_q_lens[row]  # the query's own slot
+    real = n < cu_q_lens[-1]
+    slot = jnp.arange(k.shape[1])
+    visible = (slot[None, :] <= position[:, None]) & real[:, None]  # [N, S]
+    # One "row" per token: attend_reference's batch axis is the token axis here.
+    out = attend_reference(q[:, None], k[row], v[row], visible[:, None, :], real[:, None],
+                           sm_scale)
+    return out[:, 0]
+
+
+__all__ = ["ragged_paged_attention_reference", "gather_kv", "attend_reference", "prefill_visibility", "paged_attention_reference",
            "paged_prefill_attention_reference"]

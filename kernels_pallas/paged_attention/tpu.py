@@ -22,8 +22,8 @@ from kernels_pallas.paged_attention.common import MASK, finalize, online_softmax
 def _tpu_kernel(lengths_ref, q_lens_ref, pt_ref, *refs, kv_format, n_planes, ppb, r, n_blocks,
                 scaled, tree, page_size):
     it = iter(refs)
-    q_refs = [next(it) for _ in range(n_planes)]  # [rows, Dp] each
-    tree_ref = next(it) if tree else None  # [rows, T]
+    q_refs = [next(it) for _ in range(n_planes)]  # [bq, Dp] each: one block of query rows
+    tree_ref = next(it) if tree else None  # [bq, T]
     k_refs = [next(it) for _ in range(ppb)]  # one [G, Ds] page each
     ks_refs = [next(it) for _ in range(ppb)] if scaled else [None] * ppb
     v_refs = [next(it) for _ in range(ppb)]
@@ -32,11 +32,11 @@ def _tpu_kernel(lengths_ref, q_lens_ref, pt_ref, *refs, kv_format, n_planes, ppb
     m_ref, l_ref = next(it), next(it)
     acc_refs = [next(it) for _ in range(n_planes)]
 
-    b, blk = pl.program_id(0), pl.program_id(2)
+    b, q_blk, blk = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     length, q_len = lengths_ref[b], q_lens_ref[b]
     bk = ppb * page_size
-    rows = q_refs[0].shape[0]
-    row_q = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // r
+    bq = q_refs[0].shape[0]
+    row_q = (q_blk * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) // r
 
     @pl.when(blk == 0)
     def _init():
@@ -45,9 +45,10 @@ def _tpu_kernel(lengths_ref, q_lens_ref, pt_ref, *refs, kv_format, n_planes, ppb
         for acc_ref in acc_refs:
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    # Blocks wholly past the length do no work; their index maps repeat the last real block,
-    # so the pipeline issues no DMA for them either.
-    @pl.when(blk * bk < length)
+    # Blocks wholly past the length, and query blocks wholly past the row's queries (a decode
+    # row in a batch padded to a prefill chunk), do no work; their index maps repeat a block
+    # already fetched, so the pipeline issues no DMA for them either.
+    @pl.when((blk * bk < length) & (q_blk * bq < q_len * r))
     def _compute():
         def load(data_refs, scale_refs):
             pages = [dequantize_planes(d[...], None if s is None else s[...], kv_format)
@@ -77,7 +78,8 @@ def call_tpu(q_planes, tree_rows, k_pages, v_pages, k_scales, v_scales, lengths,
 
     tree_rows [B, rows, T] float 0/1 or None (causal); pages [P, K, G, Ds], scales [P, K, G,
     groups] or None; lengths, q_lens [B] int32; page_tables [B, max_pages] int32; ppb pages per
-    grid step (at most max_pages); r query heads per kv head.
+    grid step (at most max_pages); r query heads per kv head. Grid (batch, kv head, query block,
+    page block): query rows come in blocks of at most `MAX_QUERY_ROWS`.
     """
     B, K, rows, Dp = q_planes[0].shape
     _, _, G, Ds = k_pages.shape
@@ -86,21 +88,31 @@ def call_tpu(q_planes, tree_rows, k_pages, v_pages, k_scales, v_scales, lengths,
     bk = ppb * G
     scaled = k_scales is not None
     n_planes = len(q_planes)
+    # Whole rows when few (a block dim equal to the array's), else blocks of a multiple of 8.
+    bq = rows if rows <= MAX_QUERY_ROWS else MAX_QUERY_ROWS
+    rows_pad = pl.cdiv(rows, bq) * bq
+    if rows_pad != rows:  # padding rows are queries past T: past q_len, zeros
+        q_planes = [jnp.pad(qp, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0))) for qp in q_planes]
+        if tree_rows is not None:
+            tree_rows = jnp.pad(tree_rows, ((0, 0), (0, rows_pad - rows), (0, 0)))
 
     def page_spec(j, last_dim):
-        def index_map(b, h, blk, lengths_ref, q_lens_ref, pt_ref):
+        def index_map(b, h, q_blk, blk, lengths_ref, q_lens_ref, pt_ref):
             # Clamp to the last block that holds tokens (so nothing past the length is fetched)
-            # and to the table's end (max_pages need not be a multiple of ppb).
+            # and to the table's end (max_pages need not be a multiple of ppb); a query block
+            # with no queries stays on block 0.
             last = jnp.maximum(pl.cdiv(lengths_ref[b], bk) - 1, 0)
+            last = jnp.where(q_blk * bq < q_lens_ref[b] * r, last, 0)
             idx = jnp.minimum(jnp.minimum(blk, last) * ppb + j, max_pages - 1)
             return pt_ref[b * max_pages + idx], h, 0, 0
         # One (page, head) tile: its last two dims are the array's own, which Mosaic accepts.
         return pl.BlockSpec((None, None, G, last_dim), index_map)
 
-    q_spec = pl.BlockSpec((None, None, rows, Dp), lambda b, h, blk, *_: (b, h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, bq, Dp), lambda b, h, q_blk, blk, *_: (b, h, q_blk, 0))
     in_specs, operands = [q_spec] * n_planes, list(q_planes)
     if tree_rows is not None:
-        in_specs.append(pl.BlockSpec((None, rows, tree_rows.shape[2]), lambda b, h, blk, *_: (b, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, bq, tree_rows.shape[2]),
+                                     lambda b, h, q_blk, blk, *_: (b, q_blk, 0)))
         operands.append(tree_rows)
     for pages, scales in ((k_pages, k_scales), (v_pages, v_scales)):
         # The same array once per page slot of a block: each slot's index map picks its own page.
@@ -112,23 +124,29 @@ def call_tpu(q_planes, tree_rows, k_pages, v_pages, k_scales, v_scales, lengths,
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(B, K, n_blocks),
+        grid=(B, K, rows_pad // bq, n_blocks),
         in_specs=in_specs,
         out_specs=[q_spec] * n_planes,
-        scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32)]
-        + [pltpu.VMEM((rows, Dp), jnp.float32) for _ in range(n_planes)],
+        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
+        + [pltpu.VMEM((bq, Dp), jnp.float32) for _ in range(n_planes)],
     )
     kernel = functools.partial(_tpu_kernel, kv_format=kv_format, n_planes=n_planes, ppb=ppb, r=r,
                                n_blocks=n_blocks, scaled=scaled, tree=tree_rows is not None,
                                page_size=G)
-    return pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((B, K, rows, Dp), out_dtype)] * n_planes,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        out_shape=[jax.ShapeDtypeStruct((B, K, rows_pad, Dp), out_dtype)] * n_planes,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="paged_attention_tpu",
     )(lengths, q_lens, page_tables.reshape(-1), *operands)
+    return [o[:, :, :rows] for o in outs]
 
 
-__all__ = ["call_tpu"]
+# Query rows of one TPU block (a multiple of 8): a long chunk is split so that a row's padding
+# blocks are skipped and the softmax state fits VMEM.
+MAX_QUERY_ROWS = 128
+
+__all__ = ["call_tpu", "MAX_QUERY_ROWS"]

@@ -13,5 +13,5 @@ def test_prints_and_writes_every_cell(tmp_path, capsys) -> None:
     # int4 at D = 80 is refused, and said so once for its four step kinds
     assert {r["geometry"] for r in rows if r["outcome"] == "refused"} == {"Phi-2"}
     text = capsys.readouterr().out
-    assert "cuda: 8 of 12 cells lower" in text
-    assert text.count("int4 needs an even head dim") == 1 and "(4 cells:" in text
+    assert "cuda: 10 of 15 cells lower" in text
+    assert text.count("int4 needs an even head dim") == 1 and "(5 cells:" in text

@@ -103,6 +103,7 @@ def test_paged_attention_package_exports_only_entry_points():
     import kernels_pallas.paged_attention as pa
 
     assert sorted(pa.__all__) == ["paged_attention", "paged_attention_reference",
-                                  "paged_prefill_attention", "paged_prefill_attention_reference"]
+                                  "paged_prefill_attention", "paged_prefill_attention_reference",
+                                  "ragged_paged_attention", "ragged_paged_attention_reference"]
     for name in pa.__all__:
         assert callable(getattr(pa, name))

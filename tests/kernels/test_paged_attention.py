@@ -20,7 +20,9 @@ import pytest
 from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS, dequantize, quantize
 from kernels_pallas.paged_attention import (paged_attention, paged_attention_reference,
                                             paged_prefill_attention,
-                                            paged_prefill_attention_reference)
+                                            paged_prefill_attention_reference,
+                                            ragged_paged_attention,
+                                            ragged_paged_attention_reference)
 from tests.kernels.numpy_kv import (STORAGE_DTYPES, dequantize_np, int4_round_trip_bound,
                                     quantize_int8_np)
 
@@ -220,6 +222,23 @@ class TestPagedKernels:
                                    **tolerance(jnp.float32, interpret))
         assert np.all(np.asarray(out)[0] == 0)
 
+    @pytest.mark.parametrize("backend", ["tpu", "gpu"])
+    @pytest.mark.parametrize("kv_format", ["bfloat16", "int4"])
+    def test_ragged_matches_reference(self, interpret, backend, kv_format):
+        """A mixed step: decode rows, chunks from scratch and mid-sequence, an empty row, a row
+        at capacity, then padding tokens. 40 queries x 4 heads per kv head are 160 rows: two
+        TPU query blocks, and several padding blocks for every decode row."""
+        backend = backend_or_skip(backend, interpret)
+        k, v, ks, vs, table, cu, lengths, q = ragged_case(7, kv_format)
+        kw = dict(k_scales=ks, v_scales=vs, kv_format=kv_format)
+        out = ragged_paged_attention(q, k, v, lengths, cu, table, **kw, max_q_len=RAGGED_T,
+                                     backend=backend, interpret=interpret)
+        ref = ragged_paged_attention_reference(q, k, v, lengths, cu, table, **kw)
+        out = np.asarray(out)
+        assert out.shape == q.shape and np.isfinite(out).all()
+        np.testing.assert_allclose(out, np.asarray(ref), **tolerance(jnp.float32, interpret))
+        assert np.all(out[int(cu[-1]):] == 0), "padding tokens must be zero"
+
     def test_decode_under_jit_with_traced_lengths(self, interpret):
         k, v, _, _, table = make_cache(0, "float32", [5, 17], 8, MAX_PAGES)
         q = jnp.asarray(np.random.default_rng(0).standard_normal((2, K * 3, D)), jnp.float32)
@@ -326,6 +345,54 @@ def test_prefill_reference_matches_naive(kv_format, tree):
         want = naive_attention(q[b].astype(np.float64), kb, vb, visible)
         np.testing.assert_allclose(ref[b], want, rtol=1e-5, atol=1e-5, err_msg=str(rows[b]))
         assert np.all(ref[b, n:] == 0)
+
+
+RAGGED_G, RAGGED_T = 16, 40
+# (cached tokens, new queries) per row of a mixed step; capacity MAX_PAGES * G = 48.
+RAGGED_ROWS = [(19, 1), (0, 40), (19, 17), (5, 0), (47, 1), (0, 1)]
+
+
+def ragged_case(seed, kv_format):
+    """A paged cache holding RAGGED_ROWS and their flat queries [N, 4K, D], 3 padding tokens."""
+    lengths = [c + n for c, n in RAGGED_ROWS]
+    k, v, ks, vs, table = make_cache(seed, kv_format, lengths, RAGGED_G, MAX_PAGES)
+    cu = np.concatenate([[0], np.cumsum([n for _, n in RAGGED_ROWS])])
+    q = np.random.default_rng(seed).standard_normal((int(cu[-1]) + 3, K * 4, D))
+    return (k, v, ks, vs, table, jnp.asarray(cu, jnp.int32), jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(q, jnp.float32))
+
+
+@pytest.mark.parametrize("kv_format", ["float32", "int8", "int4"])
+def test_ragged_reference_matches_naive(kv_format):
+    k, v, ks, vs, table, cu, lengths, q = ragged_case(8, kv_format)
+    ref = np.asarray(ragged_paged_attention_reference(q, k, v, lengths, cu, table, k_scales=ks,
+                                                      v_scales=vs, kv_format=kv_format))
+    tab, qs = np.asarray(table), np.asarray(q, np.float64)
+    for b, (cached, n) in enumerate(RAGGED_ROWS):
+        kb = dequantized_sequence(k, ks, tab[b], cached + n, kv_format)
+        vb = dequantized_sequence(v, vs, tab[b], cached + n, kv_format)
+        visible = np.arange(cached + n)[None, :] <= cached + np.arange(n)[:, None]
+        want = naive_attention(qs[cu[b]:cu[b + 1]], kb, vb, visible)
+        np.testing.assert_allclose(ref[cu[b]:cu[b + 1]], want, rtol=1e-5, atol=1e-5,
+                                   err_msg=str(RAGGED_ROWS[b]))
+    assert np.all(ref[int(cu[-1]):] == 0)
+
+
+def test_ragged_validation():
+    k, v, _, _, table, cu, lengths, q = ragged_case(9, "float32")
+    call = lambda **kw: ragged_paged_attention(
+        **{**dict(q=q, k_pages=k, v_pages=v, lengths=lengths, cu_q_lens=cu, page_tables=table,
+                  max_q_len=RAGGED_T), **kw})
+    with pytest.raises(ValueError, match=r"more than max_q_len=39"):
+        call(max_q_len=39)
+    with pytest.raises(ValueError, match=r"must start at 0, never decrease"):
+        call(cu_q_lens=cu.at[2].set(0))
+    with pytest.raises(ValueError, match=r"end at most at N=10"):
+        call(q=q[:10])
+    with pytest.raises(ValueError, match=r"exceed lengths"):
+        call(lengths=lengths.at[1].set(3))
+    with pytest.raises(ValueError, match=r"cu_q_lens \(6,\)"):
+        call(cu_q_lens=cu[:-1])
 
 
 # --- numpy_kv against kv_quant: a bug in either shows up here --------------------------------
