@@ -63,8 +63,9 @@ flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk size", flag_value
 flags.DEFINE_integer("max_model_len", 512, "longest sequence", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
 flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache format", flag_values=FLAGS)
-flags.DEFINE_list("policies", ["static", "continuous"], "infer scheduler policies",
-                  flag_values=FLAGS)
+flags.DEFINE_list("policies", ["static", "continuous"], "infer scheduler policies: static, "
+                  "continuous, continuous+mixed (a prefill chunk and the decode rows in one "
+                  "step)", flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, llamaserver, none",
                   flag_values=FLAGS)
 flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""),
@@ -237,7 +238,12 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     and not measured again)."""
     from experiments.common import ResultLog, load_hf_smollm2, plot_path
 
-    # Before any work: a missing package or binary is one line.
+    # Before any work: a missing package or binary, or a policy misspelt, is one line.
+    for policy in policies:
+        scheduler, plus, variant = policy.partition("+")
+        if scheduler not in ("static", "continuous") or (plus and variant != "mixed"):
+            raise ValueError(f"policy {policy!r}: want static or continuous, optionally with "
+                             f"+mixed")
     peers = serve_peers(peers, llama_server, dtype, "serve")
     log = ResultLog(out, resume=resume)
     from infer.engine.engine import Engine, EngineConfig
@@ -256,19 +262,20 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
                     prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                     output_scale=output_scale, output_cap=output_cap, seed=seed,
                     max_num_seqs=max_num_seqs, dtype=dtype)
-    runner = None
+    runners = {}  # by mixed_steps: the programs differ
 
     def serve_policy(policy: str) -> dict:
-        nonlocal runner
+        scheduler, _, variant = policy.partition("+")
+        mixed = variant == "mixed"
         engine = Engine(model, tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
-            scheduler=policy), runner=runner)
-        if runner is None:
+            scheduler=scheduler, mixed_steps=mixed), runner=runners.get(mixed))
+        if mixed not in runners:
             start = time.perf_counter()
             programs = engine.warmup(progress=True)
             print(f"compiled {programs} programs in {time.perf_counter() - start:.0f} s")
-            runner = engine.runner
+            runners[mixed] = engine.runner
         metrics, records, start, wall = serve_infer(engine, work, f"infer {policy}")
         # The plot's slot-utilization timeline travels in the row, so a resumed run can draw it.
         timeline = [[round(r.start_s - start, 4), round(r.end_s - start, 4),

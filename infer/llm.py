@@ -41,7 +41,8 @@ class LLM:
                  attention_backend: str = "reference", speculative: dict | None = None,
                  max_model_len: int = 2048, max_prefill_tokens: int = 256,
                  num_pages: int | None = None, static_max_wait_s: float = math.inf,
-                 compilation_cache: bool = True, warmup: bool = False) -> None:
+                 mixed_steps: bool = False, compilation_cache: bool = True,
+                 warmup: bool = False) -> None:
         if compilation_cache and not jax.config.jax_compilation_cache_dir:
             enable_compilation_cache()
         self.config, self.model, self.tokenizer = load(model, dtype)
@@ -50,7 +51,7 @@ class LLM:
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
-            speculative=SpeculativeConfig(**speculative) if speculative else None))
+            mixed_steps=mixed_steps, speculative=SpeculativeConfig(**speculative) if speculative else None))
         if warmup:
             self.engine.warmup(progress=True)
 

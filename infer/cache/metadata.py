@@ -96,6 +96,35 @@ class AttentionMetadata:
                                  q_lens=jnp.ones_like(cached), page_tables=page_tables)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MixedMetadata:
+    """A mixed step: parts of [B_i, T_i] rows (a prefill chunk, the decode rows) packed into
+    one model row of N = sum B_i T_i tokens, so that every dense product reads the weights once
+    for all of them. Cache writes and attention run per part, or, with the Pallas backend, as
+    one ragged call over every row (`PagedKVCache`). Paged caches only."""
+
+    parts: tuple[AttentionMetadata, ...]
+
+    @property
+    def positions(self) -> jax.Array:
+        """[1, N] RoPE positions of the packed tokens, part after part."""
+        return jnp.concatenate([p.positions.reshape(1, -1) for p in self.parts], axis=1)
+
+    def split(self, x: jax.Array) -> list[jax.Array]:
+        """Packed [1, N, ...] -> each part's [B_i, T_i, ...]."""
+        out, start = [], 0
+        for p in self.parts:
+            b, t = p.positions.shape
+            out.append(x[0, start:start + b * t].reshape(b, t, *x.shape[2:]))
+            start += b * t
+        return out
+
+    def packed(self, x_parts: Sequence[jax.Array]) -> jax.Array:
+        """The inverse of `split`: parts' [B_i, T_i, ...] -> [1, N, ...]."""
+        return jnp.concatenate([x.reshape(1, -1, *x.shape[2:]) for x in x_parts], axis=1)
+
+
 def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached: np.ndarray,
                    q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
                    write_ends: np.ndarray | None = None,

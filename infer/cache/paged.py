@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer.cache import attention
-from infer.cache.metadata import AttentionMetadata
+from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from kernels_pallas import kv_quant
-from kernels_pallas.paged_attention import paged_attention, paged_prefill_attention
+from kernels_pallas.paged_attention import (paged_attention, paged_prefill_attention,
+                                            ragged_paged_attention)
 
 ATTENTION_BACKENDS = ("reference", "pallas")
 
@@ -101,11 +102,16 @@ class PagedKVCache:
         page = jnp.take_along_axis(meta.page_tables, jnp.clip(index, 0, width - 1), axis=1)
         return jnp.where(inside, page * g + slots % g, self.num_pages * g)
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
-              ) -> "PagedKVCache":
+    def write(self, layer: int, k: jax.Array, v: jax.Array,
+              meta: AttentionMetadata | MixedMetadata) -> "PagedKVCache":
         """Stores the new tokens' keys and values through the page tables. A slot past a row's
         table raises when called eagerly; jitted callers, which alone know how many of the
         table's pages a row really holds, check first (`check_writes`)."""
+        if isinstance(meta, MixedMetadata):
+            cache = self
+            for part, k_part, v_part in zip(meta.parts, meta.split(k), meta.split(v)):
+                cache = cache.write(layer, k_part, v_part, part)
+            return cache
         meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
@@ -133,7 +139,8 @@ class PagedKVCache:
                                    k_scales=update(self.k_scales, k_scale),
                                    v_scales=update(self.v_scales, v_scale))
 
-    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
+               ) -> jax.Array:
         if self.rotate:
             return hadamard_rotate(self._attend(layer, hadamard_rotate(q), meta), inverse=True)
         return self._attend(layer, q, meta)
@@ -145,7 +152,13 @@ class PagedKVCache:
         scale = lambda x: None if x is None else kv_quant.from_bits(x[layer], kv_quant.SCALE_DTYPE)
         return data(self.k[layer]), data(self.v[layer]), scale(self.k_scales), scale(self.v_scales)
 
-    def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
+    def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
+                ) -> jax.Array:
+        if isinstance(meta, MixedMetadata):
+            if self.backend == "pallas":
+                return self._attend_ragged(layer, q, meta)
+            return meta.packed([self._attend(layer, q_part, part)
+                                for q_part, part in zip(meta.split(q), meta.parts)])
         k_pages, v_pages, k_scales, v_scales = self.pages(layer)
         if self.backend == "pallas":
             args = dict(k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
@@ -161,6 +174,33 @@ class PagedKVCache:
         k = self._gather(k_pages, k_scales, meta.page_tables, work)
         v = self._gather(v_pages, v_scales, meta.page_tables, work)
         return attention.masked_attention(q, k, v, attention.visibility_mask(meta, k.shape[2]))
+
+    def _attend_ragged(self, layer: int, q: jax.Array, meta: MixedMetadata) -> jax.Array:
+        """Every part's rows in one ragged kernel call: the packed tokens (each part's rows
+        padded to its T_i) are moved so that rows sit back to back, padding last, as
+        `ragged_paged_attention` reads them, and moved back after."""
+        if any(p.tree_mask is not None for p in meta.parts):
+            raise ValueError("a mixed step's parts are causal; tree masks are not supported")
+        n = q.shape[1]
+        q_lens = jnp.concatenate([p.q_lens for p in meta.parts])
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+        # Destination of each packed token: its row's offset plus its index in the row.
+        dest, row = [], 0
+        for p in meta.parts:
+            b, t = p.positions.shape
+            index = jnp.arange(t, dtype=jnp.int32)[None, :]
+            real = index < p.q_lens[:, None]
+            dest.append(jnp.where(real, cu[row:row + b, None] + index, n).reshape(-1))
+            row += b
+        dest = jnp.concatenate(dest)
+        packed = jnp.zeros_like(q[0]).at[dest].set(q[0], mode="drop")
+        k_pages, v_pages, k_scales, v_scales = self.pages(layer)
+        out = ragged_paged_attention(
+            packed, k_pages, v_pages, jnp.concatenate([p.lengths for p in meta.parts]), cu,
+            jnp.concatenate([p.page_tables for p in meta.parts]),
+            max_q_len=max(p.positions.shape[1] for p in meta.parts),
+            k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
+        return jnp.where((dest < n)[:, None, None], out[jnp.minimum(dest, n - 1)], 0)[None]
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
                 dtype: jnp.dtype) -> jax.Array:

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from infer.cache.metadata import AttentionMetadata
+from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.model.binding import Binding, binding
 from infer.model.llama import CacheT, Llama
 from infer.sampling import SamplingArrays, sample
@@ -75,6 +75,11 @@ class DeviceSteps:
                                                  sampling, sample_index)
             return num_accepted, emitted, hidden, cache
 
+        def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
+            logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
+            return sample(logits[0], sampling, sample_index), cache
+
+        self._mixed = jax.jit(mixed, donate_argnums=1)
         self._forward = jax.jit(forward, donate_argnums=1)
         self._verify = jax.jit(verify, donate_argnums=1)
         self._prefill = jax.jit(prefill, donate_argnums=1)
@@ -112,6 +117,21 @@ class DeviceSteps:
         states at every position [B, T, E] (an EAGLE head's features), cache).
         """
         return self._prefill(self.params, cache, tokens, meta, sampling, sample_index)
+
+    def mixed_step(self, cache: CacheT, tokens: jax.Array, meta: MixedMetadata,
+                   logit_index: jax.Array, sampling: SamplingArrays, sample_index: jax.Array
+                   ) -> tuple[jax.Array, CacheT]:
+        """One forward over a mixed step's packed tokens [1, N] (a prefill chunk and decode rows,
+        `MixedMetadata`), sampling a token at each of `logit_index` [1, R]'s positions: each
+        row's last valid token. Returns (tokens [R], cache)."""
+        return self._mixed(self.params, cache, tokens, meta, logit_index, sampling, sample_index)
+
+    def lower_mixed(self, cache: CacheT, tokens: jax.Array, meta: MixedMetadata,
+                    logit_index: jax.Array, sampling: SamplingArrays, sample_index: jax.Array
+                    ) -> jax.stages.Lowered:
+        """mixed_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._mixed.lower(self.params, cache, tokens, meta, logit_index, sampling,
+                                 sample_index)
 
     def lower_prefill(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                       sampling: SamplingArrays, sample_index: jax.Array) -> jax.stages.Lowered:

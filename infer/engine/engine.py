@@ -54,6 +54,9 @@ class EngineConfig:
     min_window: int = MIN_WINDOW  # smallest attention window in tokens (RunnerConfig.min_window)
     # Plan and dispatch the next decode step while the device runs this one (Engine.step).
     async_scheduling: bool = True
+    # A prefill chunk and the decode rows in one forward when both are pending, rather than
+    # alternating steps (see infer.engine.scheduler); not with speculative decoding.
+    mixed_steps: bool = False
     # A long-running engine's memory stays bounded: it keeps the latest step records and the
     # outputs of the latest finished requests only (consumers take them from step()).
     max_step_records: int = 65_536
@@ -95,14 +98,15 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=max_model_len, policy=config.scheduler,
             static_max_wait_s=config.static_max_wait_s,
-            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0),
+            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
+            mixed_steps=config.mixed_steps),
             self.allocator, prefix_cache=self.prefix_cache)
         runner_config = RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
             max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len,
             num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
-            min_window=config.min_window)
+            min_window=config.min_window, mixed_steps=config.mixed_steps)
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
         proposer = None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 
-from infer.cache.metadata import paged_metadata
+from infer.cache.metadata import MixedMetadata, paged_metadata
 from infer.cache.paged import PagedKVCache, copy_pages
 from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
 from infer.engine.device_steps import DeviceSteps
@@ -52,8 +52,13 @@ class RunnerConfig:
     # Smallest attention window in tokens: shorter sequences still attend over this many slots,
     # and each power of two above it up to max_model_len is one more set of programs.
     min_window: int = MIN_WINDOW
+    # One forward over a prefill chunk and the decode rows together (`Runner._mixed`): each
+    # (decode rows, chunk) pair of buckets is one more program.
+    mixed_steps: bool = False
 
     def __post_init__(self) -> None:
+        if self.mixed_steps and self.num_speculative_tokens:
+            raise ValueError("mixed steps do not combine with speculative decoding")
         w = self.min_window
         if not is_integer(w) or w < 1:
             raise ValueError(f"min_window must be a positive number of tokens, got {w!r}")
@@ -83,9 +88,11 @@ class RunnerConfig:
 class Shape:
     """One compiled program of a serving run: which step, and the shapes that reach jit."""
 
-    kind: str  # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1)
+    # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1), "mixed" (a
+    # chunk of `tokens` and `rows` decode rows)
+    kind: str
     rows: int
-    tokens: int  # per row
+    tokens: int  # per row; a mixed step's chunk
     width: int  # page-table width in pages
     draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
 
@@ -135,6 +142,8 @@ class Runner:
             self.cache = copy_pages(self.cache, list(src), list(dst))
         if plan.kind == "prefill":
             return InFlight.done(plan, [[t] for t in self._prefill(plan.prefill)])
+        if plan.kind == "mixed":
+            return InFlight.done(plan, self._mixed(plan))
         if plan.kind == "decode":
             if self.proposer is not None and any(plan.draft_limits):
                 return InFlight.done(plan, self._speculate(plan))
@@ -195,6 +204,48 @@ class Runner:
         if self.proposer is not None:
             self.proposer.observe_prefill(chunks, hidden)
         return sampled[:rows]
+
+    def _mixed_inputs(self, chunk: PrefillChunk, seqs: Sequence[SeqState], rows: int, t: int,
+                      width: int) -> tuple:
+        """A mixed step's arguments: one chunk padded to t tokens, then `rows` decode rows (the
+        first len(seqs) real), packed into one row; each row samples after its last token."""
+        chunk_tokens = np.zeros((1, t), np.int32)
+        chunk_tokens[0, :len(chunk.token_ids)] = chunk.token_ids
+        chunk_meta = paged_metadata([chunk.seq.pages], 1, width, np.array([chunk.start], np.int32),
+                                    np.array([len(chunk.token_ids)], np.int32), t,
+                                    names=[chunk.seq.label])
+        cached, q_lens, decode_tokens = (np.zeros(rows, np.int32) for _ in range(3))
+        for i, s in enumerate(seqs):
+            decode_tokens[i], cached[i], q_lens[i] = s.request.last_token_id, s.num_computed, 1
+        decode_meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, 1,
+                                     names=[s.label for s in seqs])
+        tokens = np.concatenate([chunk_tokens[0], decode_tokens])[None]
+        logit_index = np.concatenate([[max(len(chunk.token_ids) - 1, 0)], t + np.arange(rows)])
+        params = [chunk.seq.request.params] + [s.request.params for s in seqs]
+        sample_index = np.zeros(rows + 1, np.int32)
+        sample_index[0] = len(chunk.seq.request.output_ids)
+        for i, s in enumerate(seqs):
+            sample_index[i + 1] = len(s.request.output_ids)
+        return (jax.device_put(tokens), MixedMetadata((chunk_meta, decode_meta)),
+                jax.device_put(logit_index[None].astype(np.int32)),
+                SamplingArrays.from_params(params, batch=rows + 1), jax.device_put(sample_index))
+
+    def _mixed(self, plan: StepPlan) -> list[list[int]]:
+        """A prefill chunk and every decode row in one forward: the weights are read once for
+        both, where alternating steps read them twice."""
+        (chunk,), seqs = plan.prefill, plan.decode
+        rows = bucket_for(len(seqs), self.config.decode_buckets)
+        t = bucket_for(len(chunk.token_ids), self.config.prefill_buckets)
+        width = self.config.window_for(max(chunk.start + len(chunk.token_ids),
+                                           max(max(s.num_computed + 1, s.pages.capacity)
+                                               for s in seqs)))
+        self._first_use(Shape("mixed", rows, t, width))
+        start = time.perf_counter()
+        inputs = self._mixed_inputs(chunk, seqs, rows, t, width)
+        sampled, self.cache = self.device_steps.mixed_step(self.cache, *inputs)
+        self.times.inputs_s += time.perf_counter() - start
+        sampled = self._wait(sampled).tolist()
+        return [[sampled[0]]] + [[token] for token in sampled[1:1 + len(seqs)]]
 
     def _decode(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
         """One token per row. A static batch computes its finished rows too: `decode_width`
@@ -276,6 +327,9 @@ class Runner:
                 out += [Shape("verify", rows, k + 1, width, p) for p in probs if k]
             # A one-token chunk runs the one-row decode program (same step, same shapes).
             out += [Shape("prefill", 1, t, width) for t in self.config.prefill_buckets if t > 1]
+            if self.config.mixed_steps:
+                out += [Shape("mixed", rows, t, width) for rows in self.config.decode_buckets
+                        for t in self.config.prefill_buckets]
         return out
 
     def page_copy_sizes(self) -> tuple[int, ...]:
@@ -291,6 +345,8 @@ class Runner:
         """Step arguments of one shape with no valid token: nothing is written, samples are
         ignored. Verify steps get (drafts, counts, draft_probs) after the metadata."""
         rows, t = shape.rows, shape.tokens
+        if shape.kind == "mixed":
+            return self._dummy_mixed(shape)
         zeros = np.zeros(rows, np.int32)
         tok, meta, sampling, index = self._inputs([], np.zeros((rows, t), np.int32), zeros,
                                                   zeros, shape.width, zeros)
@@ -303,6 +359,16 @@ class Runner:
         return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
                 probs, sampling, index)
 
+    def _dummy_mixed(self, shape: Shape) -> tuple:
+        """Mixed-step arguments with no valid token (as `_dummy`)."""
+        rows, t, width = shape.rows, shape.tokens, shape.width
+        zeros = lambda n: np.zeros(n, np.int32)
+        chunk_meta = paged_metadata([], 1, width, zeros(1), zeros(1), t)
+        decode_meta = paged_metadata([], rows, width, zeros(rows), zeros(rows), 1)
+        return (jax.device_put(np.zeros((1, t + rows), np.int32)),
+                MixedMetadata((chunk_meta, decode_meta)), jax.device_put(zeros(rows + 1)[None]),
+                SamplingArrays.from_params([], batch=rows + 1), jax.device_put(zeros(rows + 1)))
+
     def _first_use(self, shape: Shape) -> None:
         if shape not in self.ready:
             self.ready.add(shape)
@@ -313,7 +379,8 @@ class Runner:
         self.ready.add(shape)
         args = self._dummy(shape)
         programs = self.device_steps
-        step = programs.verify_step if shape.kind == "verify" else programs.prefill_step
+        step = {"verify": programs.verify_step, "mixed": programs.mixed_step}.get(
+            shape.kind, programs.prefill_step)
         *_, self.cache = step(self.cache, *args)
 
     def warmup(self, progress: bool = False, threads: int = 2) -> int:
@@ -329,8 +396,9 @@ class Runner:
             import concurrent.futures
 
             def compile_one(shape: Shape) -> None:
-                lower = self.device_steps.lower_verify if shape.kind == "verify" else \
-                    self.device_steps.lower_prefill
+                lower = {"verify": self.device_steps.lower_verify,
+                         "mixed": self.device_steps.lower_mixed}.get(
+                    shape.kind, self.device_steps.lower_prefill)
                 lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from infer.cache.contiguous import KVCache
-from infer.cache.metadata import AttentionMetadata
+from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.cache.paged import PagedKVCache, copy_pages, hadamard_rotate
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import PagedLayout, decode_stream
@@ -213,3 +213,45 @@ def test_hadamard_rotation_is_exact_and_helps_quantization(tiny_model: Llama) ->
     exact = attend("float32", False)
     err = lambda rotate: np.abs(attend("int8", rotate) - exact).max()
     assert err(True) < 0.5 * err(False)
+
+
+@pytest.mark.parametrize("backend, kv_format", [("reference", "float32"), ("pallas", "float32"),
+                                                ("pallas", "int8")])
+def test_mixed_step_equals_its_parts(backend: str, kv_format: str) -> None:
+    """A mixed step's packed tokens (a chunk padded to 8, then 4 decode rows, one of them
+    padding) write and attend as each part does alone; the Pallas backend's one ragged call
+    included. Random rows, tables and keys, three draws."""
+    c, g = CONFIG, 4
+    h, d = c.num_heads, c.head_dim
+    for draw in range(3):
+        rng = np.random.default_rng(draw)
+        tables = jnp.asarray(rng.permutation(24)[:16].reshape(4, 4), jnp.int32)
+        start, n = int(rng.integers(0, 8)), int(rng.integers(1, 9))
+        chunk = AttentionMetadata.for_prefill(jnp.asarray([n]), 8, cached=jnp.asarray([start]),
+                                              page_tables=tables[:1])
+        cached = jnp.asarray(rng.integers(0, 15, 4), jnp.int32)
+        decode = AttentionMetadata(positions=cached[:, None], lengths=cached + 1,
+                                   q_lens=jnp.asarray([1, 1, 1, 0], jnp.int32),
+                                   page_tables=tables[jnp.asarray([1, 2, 3, 0])])
+        mixed = MixedMetadata((chunk, decode))
+        k, v, q = (jnp.asarray(rng.standard_normal((1, 12, n_heads, d)), jnp.float32)
+                   for n_heads in (c.num_kv_heads, c.num_kv_heads, h))
+        # Old tokens in every page first, so each query has a history to read.
+        cache = _paged(24, g, kv_format, backend)
+        history = jnp.asarray(rng.standard_normal((1, 24 * g, c.num_kv_heads, d)), jnp.float32)
+        full = AttentionMetadata.for_prefill(jnp.asarray([24 * g]), 24 * g,
+                                             page_tables=jnp.arange(24, dtype=jnp.int32)[None])
+        cache = cache.write(0, history, -history, full)
+        together = cache.write(0, k, v, mixed)
+        out = together.attend(0, q, mixed)
+        alone = cache
+        for part, kp, vp in zip(mixed.parts, mixed.split(k), mixed.split(v)):
+            alone = alone.write(0, kp, vp, part)
+        for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        want = [alone.attend(0, qp, part) for qp, part in zip(mixed.split(q), mixed.parts)]
+        got = mixed.split(out)
+        np.testing.assert_allclose(np.asarray(got[0])[:, :n], np.asarray(want[0])[:, :n],
+                                   rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got[1])[:3], np.asarray(want[1])[:3],
+                                   rtol=2e-5, atol=2e-5)

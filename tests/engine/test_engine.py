@@ -5,6 +5,7 @@ that tests/engine/test_warmup.py relies on."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +105,26 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model, seed: int) -> None:
         assert (ahead > 0) == on, ahead
     assert results[True] == results[False]
     assert any(len(o) < p.max_tokens for o, p in zip(results[True], params))  # some stopped
+
+
+@pytest.mark.parametrize("backend, seed", [("reference", 0), ("reference", 1), ("pallas", 2)])
+def test_mixed_steps_give_the_same_tokens(tiny_model, backend: str, seed: int) -> None:
+    """A prefill chunk and the decode rows in one forward (the Pallas backend: one ragged
+    attention call) give the tokens alternating steps give: prompts longer than a chunk, more
+    requests than slots, so that chunks keep meeting decode rows; and mixed steps did run."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 9))
+    inputs = prompts(n, seed=200 + seed, lo=3, hi=40)
+    params = [SamplingParams(max_tokens=int(rng.integers(2, 20)), seed=int(rng.integers(1 << 30)),
+                             temperature=float(rng.choice([0.0, 1.0])), ignore_eos=True)
+              for _ in range(n)]
+    results = {}
+    for mixed in (False, True):
+        engine = tiny_engine(tiny_model, mixed_steps=mixed, attention_backend=backend)
+        results[mixed] = serve(engine, inputs, params)
+        kinds = Counter(r.kind for r in engine.step_records())
+        assert (kinds["mixed"] > 0) == mixed, kinds
+    assert results[True] == results[False]
 
 
 def test_step_records_split_each_step_within_its_time(tiny_model) -> None:

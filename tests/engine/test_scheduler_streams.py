@@ -3,8 +3,8 @@ back through the page tables (no JAX). Each stream draws its own pool size (2-64
 size, policy, prompts with shared prefixes, output lengths, arrivals, aborts, a prefix cache or
 none, speculative slots whose drafts are partly wrong, stop tokens, and half of them the
 engine's async scheduling (each decode step's successor planned and dispatched before its tokens
-are read, `Scheduler.next_steps`). Every stream must finish within a
-bound of steps, give each request exactly the tokens it gets alone, and account for every page
+are read, `Scheduler.next_steps`), and half of those without drafts mixed steps (a prefill
+chunk and the decode rows planned as one step). Every stream must finish within a bound of steps, give each request exactly the tokens it gets alone, and account for every page
 after every step.
 
 The seeds are a fixed range, so a failure names the seed that reproduces it."""
@@ -73,11 +73,12 @@ def run_stream(seed: int) -> dict[str, int]:
     use_cache = rng.random() < 0.6
     spec = rng.choice([0, 0, 1, 2, 4])
     plan_ahead = rng.random() < 0.5  # the engine's async scheduling
+    mixed = not spec and rng.random() < 0.5  # a chunk and the decode rows in one step
     config = SchedulerConfig(
         max_num_seqs=rng.randint(1, 6), max_prefill_tokens=rng.choice([1, 3, 8, 16]),
         max_model_len=num_pages * page_size, policy=rng.choice(["continuous", "continuous",
                                                                 "static"]),
-        num_speculative_tokens=spec)
+        num_speculative_tokens=spec, mixed_steps=mixed)
     allocator = PageAllocator(num_pages, page_size)
     cache = PrefixCache(allocator) if use_cache else None
     clock = iter(range(10**9))
@@ -104,7 +105,7 @@ def run_stream(seed: int) -> dict[str, int]:
     seqs: list[SeqState] = []
     budget = 0
     steps = 0
-    in_flight, ahead_steps, overrun = None, 0, 0
+    in_flight, ahead_steps, overrun, mixed_steps = None, 0, 0, 0
     while pending or sched.has_unfinished():
         if pending and (not sched.has_unfinished() or rng.random() < 0.3):
             request = pending.pop(0)
@@ -119,6 +120,7 @@ def run_stream(seed: int) -> dict[str, int]:
         step, in_flight = sched.next_steps(in_flight, runner.dispatch, plan_ahead)
         sched.postprocess(step.plan, step.result())
         ahead_steps += in_flight is not None
+        mixed_steps += step.plan.kind == "mixed"
         if in_flight is not None:  # rows of the step in flight whose request just ended
             overrun += sum(s.finished for s in in_flight.plan.decode)
         check_pages(sched, cache)
@@ -145,7 +147,7 @@ def run_stream(seed: int) -> dict[str, int]:
     allocator.check_invariants()
     return {"steps": steps, "preemptions": sum(r.num_preemptions for r in requests),
             "cached": sum(r.num_cached_tokens for r in requests), "ahead": ahead_steps,
-            "overrun": overrun,
+            "overrun": overrun, "mixed": mixed_steps,
             "stopped": sum(r.finish_reason == FinishReason.STOP for r in requests)}
 
 
@@ -158,6 +160,7 @@ def test_random_streams_finish_exact_and_lose_no_page(block: int) -> None:
     # planned ahead and requests stopping early.
     assert totals["preemptions"] > 50 and totals["cached"] > 500, totals
     assert totals["ahead"] > 1000 and totals["stopped"] > 200 and totals["overrun"] > 5, totals
+    assert totals["mixed"] > 500, totals
 
 
 def test_admission_does_not_count_the_matched_pages_as_evictable() -> None:

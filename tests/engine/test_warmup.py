@@ -72,6 +72,7 @@ def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 CASES = {
     "plain": dict(min_window=32),
     "prefix_caching": dict(min_window=32, enable_prefix_caching=True),
+    "mixed_steps": dict(min_window=32, mixed_steps=True, enable_prefix_caching=True),
     # k + 1 = 16 = the only prefill bucket: the verify shape the old warm-up mistook for a prefill.
     "ngram_k15": dict(min_window=32, speculative=("ngram", 15), enable_prefix_caching=True),
     "self_draft": dict(speculative=("self_draft", 3), enable_prefix_caching=True),
@@ -114,3 +115,5 @@ def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
         assert (1, spec.num_tokens + 1) in verified
     if options.get("enable_prefix_caching"):
         assert engine.prefix_cache_stats()["hit_tokens"] > 0
+    if options.get("mixed_steps"):
+        assert any(r.kind == "mixed" for r in engine.step_records())
