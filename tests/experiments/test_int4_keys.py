@@ -1,0 +1,47 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.int4_keys import Scheme, fake_quantize
+from infer.cache.paged import hadamard_rotate
+from kernels_pallas import kv_quant
+
+
+def test_scheme_parsing_and_bytes() -> None:
+    assert Scheme.parse("token:32") == Scheme("token", 32)
+    assert Scheme.parse("channel:16+mean") == Scheme("channel", 16, mean=True)
+    # The int4 format's cost (D = 64): 32 bytes of nibbles, two (scale, low) pairs.
+    assert Scheme.parse("token:32").bytes_per_token(64) == 40 == kv_quant.bytes_per_token_per_head(
+        64, "int4")
+    assert Scheme.parse("channel:64").bytes_per_token(64) == 36
+    assert Scheme.parse("none").bytes_per_token(64) == 256
+    for bad in ("token", "channel:x", "rows:4", "none:3"):
+        with pytest.raises(ValueError, match="want token:G"):
+            Scheme.parse(bad)
+
+
+def test_token_scheme_is_the_int4_format() -> None:
+    """token:32 reads back what the int4 cache format reads back, up to the rounding of the
+    low value (the format floors it to bfloat16, the simulation rounds it)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 3, 64)) * 3, jnp.float32)
+    data, scales = kv_quant.quantize(hadamard_rotate(x), "int4")
+    real = hadamard_rotate(kv_quant.dequantize(data, scales, "int4"), inverse=True)
+    fake = fake_quantize(x, Scheme("token", 32))
+    step = float(jnp.max(scales[..., :2].astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(fake), np.asarray(real), atol=step)
+
+
+@pytest.mark.parametrize("window", [4, 16])
+def test_channel_windows_quantize_each_window_alone(window: int) -> None:
+    """Per channel of each window of tokens: every value within half a step of its window's
+    grid, and a window's range decides nothing outside it."""
+    rng = np.random.default_rng(window)
+    x = rng.standard_normal((1, 32, 2, 8)).astype(np.float32)
+    x[0, :window] *= 100  # one loud window
+    out = np.asarray(fake_quantize(jnp.asarray(x), Scheme("channel", window)))
+    for w in range(32 // window):
+        part, got = x[0, w * window:(w + 1) * window], out[0, w * window:(w + 1) * window]
+        step = (part.max(0) - part.min(0)) / 15
+        assert np.all(np.abs(got - part) <= step * 0.51 + 1e-2 * np.abs(part).max(0))
+    quiet = np.abs(out[0, window:] - x[0, window:]).max()
+    assert quiet < 0.2, "the loud window's range leaked into the next ones"
