@@ -53,7 +53,7 @@ class RunnerConfig:
     # and each power of two above it up to max_model_len is one more set of programs.
     min_window: int = MIN_WINDOW
     # One forward over a prefill chunk and the decode rows together (`Runner._mixed`): each
-    # (decode rows, chunk) pair of buckets is one more program.
+    # chunk bucket is one more program per page-table width.
     mixed_steps: bool = False
 
     def __post_init__(self) -> None:
@@ -234,7 +234,10 @@ class Runner:
         """A prefill chunk and every decode row in one forward: the weights are read once for
         both, where alternating steps read them twice."""
         (chunk,), seqs = plan.prefill, plan.decode
-        rows = bucket_for(len(seqs), self.config.decode_buckets)
+        # Decode rows pad to the largest batch: the chunk dominates the step's cost, and one row
+        # bucket keeps the mixed programs to chunk buckets x widths (each pair of buckets ran
+        # XLA:CPU out of memory maps for its compiled code at 105 programs).
+        rows = self.config.decode_buckets[-1]
         t = bucket_for(len(chunk.token_ids), self.config.prefill_buckets)
         width = self.config.window_for(max(chunk.start + len(chunk.token_ids),
                                            max(max(s.num_computed + 1, s.pages.capacity)
@@ -328,8 +331,8 @@ class Runner:
             # A one-token chunk runs the one-row decode program (same step, same shapes).
             out += [Shape("prefill", 1, t, width) for t in self.config.prefill_buckets if t > 1]
             if self.config.mixed_steps:
-                out += [Shape("mixed", rows, t, width) for rows in self.config.decode_buckets
-                        for t in self.config.prefill_buckets]
+                rows = self.config.decode_buckets[-1]
+                out += [Shape("mixed", rows, t, width) for t in self.config.prefill_buckets]
         return out
 
     def page_copy_sizes(self) -> tuple[int, ...]:

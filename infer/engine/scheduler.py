@@ -20,8 +20,8 @@ long prompt never stalls running requests for more than one step. With `mixed_st
 with both pending carries every decode row and one chunk (kind "mixed", one forward: the
 weights are read once for both; `Runner._mixed`). Why alternating is the default: on this CPU
 prefill is compute-bound, so fusing a 128-token chunk with a 16-row decode saved about 10% of
-the pair's time (the weight read of the decode step), while every (decode batch, chunk) pair of
-buckets is its own compiled program: the product of the two bucket sets instead of their sum.
+the pair's time (the weight read of the decode step), and each chunk bucket is one more compiled
+program per page-table width.
 
 Policies:
 - continuous: re-decides the batch every step; a finished request frees its slot and pages at
