@@ -115,29 +115,13 @@ def _register():
     return FakeQuantCache
 
 
-def score(steps, config, ids: list[int], make_cache):
+def score(steps, ids: list[int], make_cache):
     """Log-probabilities [N-1, V] of each next token of ids, read in chunks through the cache
     `make_cache(pages)` returns."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    from experiments.kv_dtypes import score_through
 
-    from infer.cache.metadata import AttentionMetadata
-
-    n = len(ids)
-    pages = -(-n // PAGE)
-    cache = make_cache(pages)
-    tables = jnp.arange(pages, dtype=jnp.int32)[None]
-    out = []
-    for start in range(0, n, CHUNK):
-        piece = ids[start:start + CHUNK]
-        tokens = np.zeros((1, CHUNK), np.int32)
-        tokens[0, :len(piece)] = piece
-        meta = AttentionMetadata.for_prefill(jnp.asarray([len(piece)]), CHUNK,
-                                             cached=jnp.asarray([start]), page_tables=tables)
-        logits, _, cache = steps.forward_step(cache, jnp.asarray(tokens), meta)
-        out.append(np.asarray(jax.nn.log_softmax(logits[0, :len(piece)], axis=-1)))
-    return np.concatenate(out)[:-1]
+    pages = -(-len(ids) // PAGE)
+    return score_through(steps, ids, make_cache(pages), pages, CHUNK)
 
 
 def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: str,
@@ -167,7 +151,7 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
     k_heads, d = config.num_kv_heads, config.head_dim
     float32 = lambda pages: PagedKVCache.create(config.num_layers, pages, PAGE, k_heads, d)
     ids = text_ids(tokenizer, 60_000, HELD_OUT + 20_000)[:eval_tokens + 1]
-    reference = score(DeviceSteps(model), config, ids, float32)
+    reference = score(DeviceSteps(model), ids, float32)
     # Mean keys of training-side text, read back from a float32 cache after one forward.
     calib = text_ids(tokenizer, 20_000, 0)[:calibration_tokens]
     calib_cache = score_cache(DeviceSteps(model), calib, float32)
@@ -183,7 +167,7 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
             make = lambda pages: fake_cache(float32(pages), means if keys.mean else (), keys,
                                             values)
             # A fresh DeviceSteps: its programs are traced for this scheme alone.
-            logp = score(DeviceSteps(model), config, ids, make)
+            logp = score(DeviceSteps(model), ids, make)
             per_token = (keys.bytes_per_token(d) + values.bytes_per_token(d)) / 2
             return {"top1_agreement": float(np.mean(logp.argmax(-1) == reference.argmax(-1))),
                     "kl_vs_float32": float(np.mean(np.sum(p_ref * (reference - logp), -1))),

@@ -32,20 +32,26 @@ define_resume_flag(FLAGS)
 def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_size: int):
     """Log-probabilities [N-1, V] of each next token of `ids`, read in chunks through a paged
     cache of `kv_format`."""
+    from infer.cache.paged import PagedKVCache
+
+    pages = -(-len(ids) // page_size)
+    cache = PagedKVCache.create(config.num_layers, pages, page_size, config.num_kv_heads,
+                                config.head_dim, kv_format)
+    return score_through(steps, ids, cache, pages, chunk)
+
+
+def score_through(steps, ids: list[int], cache, pages: int, chunk: int):
+    """Log-probabilities [N-1, V] of each next token of `ids`, read in chunks of `chunk` tokens
+    through `cache`, a paged cache (or one that behaves as one) of `pages` pages in one table."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from infer.cache.metadata import AttentionMetadata
-    from infer.cache.paged import PagedKVCache
 
-    n = len(ids)
-    pages = -(-n // page_size)
-    cache = PagedKVCache.create(config.num_layers, pages, page_size, config.num_kv_heads,
-                                config.head_dim, kv_format)
     tables = jnp.arange(pages, dtype=jnp.int32)[None]
     out = []
-    for start in range(0, n, chunk):
+    for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, :len(piece)] = piece
