@@ -85,7 +85,7 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class StepPlan:
-    kind: str  # "prefill", "decode" or "idle"
+    kind: str  # "prefill", "decode", "mixed" (a chunk and decode rows) or "idle"
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
     decode: list[SeqState] = dataclasses.field(default_factory=list)
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)

@@ -127,6 +127,31 @@ def test_mixed_steps_give_the_same_tokens(tiny_model, backend: str, seed: int) -
     assert results[True] == results[False]
 
 
+def test_pallas_engine_gives_the_reference_tokens_smollm2(smollm2) -> None:
+    """SmolLM2, greedy, through the engine: the Pallas kernels (interpreted on CPU) give the
+    reference backend's tokens, in plain steps and in mixed ones (the ragged kernel: a second
+    prompt's chunks arrive while the first decodes)."""
+    _, model, tokenizer = smollm2
+    prompts = [tokenizer.encode("The three primary colors are"),
+               tokenizer.encode("import numpy as np\n\ndef softmax(x):\n    # subtract the max "
+                                "for numerical stability, then normalize\n")]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend, mixed in (("reference", False), ("pallas", False), ("pallas", True)):
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=8,
+            attention_backend=backend, mixed_steps=mixed))
+        first = engine.add_request(prompt_token_ids=prompts[0], params=params)
+        engine.step()  # the first prompt's one chunk: it decodes while the second prefills
+        second = engine.add_request(prompt_token_ids=prompts[1], params=params)
+        engine.run_until_done()
+        results[backend, mixed] = [engine.output(i).token_ids for i in (first, second)]
+        if mixed:
+            assert any(r.kind == "mixed" for r in engine.step_records())
+    assert results["pallas", False] == results["reference", False]
+    assert results["pallas", True] == results["reference", False]
+
+
 def test_step_records_split_each_step_within_its_time(tiny_model) -> None:
     """Every step's schedule, inputs, device and output times are >= 0 and together within the
     step; decode steps are planned ahead once the batch only decodes."""
