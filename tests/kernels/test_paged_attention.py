@@ -265,6 +265,20 @@ def test_tpu_kernel_under_tpu_interpreter():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+def test_ragged_tpu_kernel_under_tpu_interpreter():
+    """The TPU kernel's query-block axis under the TPU interpreter, which runs the grid's index
+    maps and DMAs: two query blocks of 128 rows, decode rows whose second block is all padding,
+    two pages a block, NaN in every unused slot."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    k, v, ks, vs, table, cu, lengths, q = ragged_case(11, "int8")
+    kw = dict(k_scales=ks, v_scales=vs, kv_format="int8")
+    out = ragged_paged_attention(q, k, v, lengths, cu, table, **kw, max_q_len=RAGGED_T,
+                                 pages_per_block=2, backend="tpu",
+                                 interpret=pltpu.InterpretParams())
+    ref = ragged_paged_attention_reference(q, k, v, lengths, cu, table, **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
 # --- references against a naive per-sequence numpy attention -------------------------------
 
 
