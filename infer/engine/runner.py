@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import numpy as np
@@ -205,30 +205,29 @@ class Runner:
             self.proposer.observe_prefill(chunks, hidden)
         return sampled[:rows]
 
-    def _mixed_inputs(self, chunk: PrefillChunk, seqs: Sequence[SeqState], rows: int, t: int,
-                      width: int) -> tuple:
+    def _mixed_inputs(self, chunk: PrefillChunk | None, seqs: Sequence[SeqState], rows: int,
+                      t: int, width: int) -> tuple:
         """A mixed step's arguments: one chunk padded to t tokens, then `rows` decode rows (the
-        first len(seqs) real), packed into one row; each row samples after its last token."""
-        chunk_tokens = np.zeros((1, t), np.int32)
-        chunk_tokens[0, :len(chunk.token_ids)] = chunk.token_ids
-        chunk_meta = paged_metadata([chunk.seq.pages], 1, width, np.array([chunk.start], np.int32),
-                                    np.array([len(chunk.token_ids)], np.int32), t,
-                                    names=[chunk.seq.label])
-        cached, q_lens, decode_tokens = (np.zeros(rows, np.int32) for _ in range(3))
-        for i, s in enumerate(seqs):
-            decode_tokens[i], cached[i], q_lens[i] = s.request.last_token_id, s.num_computed, 1
+        first len(seqs) real), packed into one row; each row samples after its last token. No
+        chunk and no rows (warm-up's dummy): no valid token."""
+        ids = chunk.token_ids if chunk is not None else ()
+        chunk_seqs = [chunk.seq] if chunk is not None else []
+        chunk_meta = paged_metadata([s.pages for s in chunk_seqs], 1, width,
+                                    np.array([chunk.start if chunk else 0], np.int32),
+                                    np.array([len(ids)], np.int32), t,
+                                    names=[s.label for s in chunk_seqs])
+        decode_tokens, cached, q_lens, decode_index = self._decode_rows(seqs, rows)
         decode_meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, 1,
                                      names=[s.label for s in seqs])
-        tokens = np.concatenate([chunk_tokens[0], decode_tokens])[None]
-        logit_index = np.concatenate([[max(len(chunk.token_ids) - 1, 0)], t + np.arange(rows)])
-        params = [chunk.seq.request.params] + [s.request.params for s in seqs]
-        sample_index = np.zeros(rows + 1, np.int32)
-        sample_index[0] = len(chunk.seq.request.output_ids)
-        for i, s in enumerate(seqs):
-            sample_index[i + 1] = len(s.request.output_ids)
-        return (jax.device_put(tokens), MixedMetadata((chunk_meta, decode_meta)),
+        tokens = np.zeros(t + rows, np.int32)
+        tokens[:len(ids)], tokens[t:] = ids, decode_tokens
+        logit_index = np.concatenate([[max(len(ids) - 1, 0)], t + np.arange(rows)])
+        chunk_index = [len(chunk.seq.request.output_ids)] if chunk is not None else [0]
+        params = [s.request.params for s in chunk_seqs + list(seqs)]
+        return (jax.device_put(tokens[None]), MixedMetadata((chunk_meta, decode_meta)),
                 jax.device_put(logit_index[None].astype(np.int32)),
-                SamplingArrays.from_params(params, batch=rows + 1), jax.device_put(sample_index))
+                SamplingArrays.from_params(params, batch=rows + 1),
+                jax.device_put(np.concatenate([chunk_index, decode_index]).astype(np.int32)))
 
     def _mixed(self, plan: StepPlan) -> list[list[int]]:
         """A prefill chunk and every decode row in one forward: the weights are read once for
@@ -239,9 +238,8 @@ class Runner:
         # XLA:CPU out of memory maps for its compiled code at 105 programs).
         rows = self.config.decode_buckets[-1]
         t = bucket_for(len(chunk.token_ids), self.config.prefill_buckets)
-        width = self.config.window_for(max(chunk.start + len(chunk.token_ids),
-                                           max(max(s.num_computed + 1, s.pages.capacity)
-                                               for s in seqs)))
+        width = max(self.config.window_for(chunk.start + len(chunk.token_ids)),
+                    self._decode_window(seqs))
         self._first_use(Shape("mixed", rows, t, width))
         start = time.perf_counter()
         inputs = self._mixed_inputs(chunk, seqs, rows, t, width)
@@ -250,25 +248,35 @@ class Runner:
         sampled = self._wait(sampled).tolist()
         return [[sampled[0]]] + [[token] for token in sampled[1:1 + len(seqs)]]
 
+    def _decode_rows(self, seqs: Sequence[SeqState], rows: int, ahead: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Decode rows padded to `rows`: (fed tokens, cached tokens, query counts, PRNG
+        indices), each [rows]. Planned ahead (ahead=1), each row sits one slot further and its
+        token comes from the device, not from here."""
+        tokens, cached, q_lens, sample_index = (np.zeros(rows, np.int32) for _ in range(4))
+        for i, s in enumerate(seqs):
+            if not ahead:
+                tokens[i] = s.request.last_token_id  # decode-ready: the one token not cached
+            cached[i], q_lens[i] = s.num_computed + ahead, 1
+            sample_index[i] = len(s.request.output_ids) + ahead
+        return tokens, cached, q_lens, sample_index
+
+    def _decode_window(self, seqs: Sequence[SeqState], ahead: int = 0) -> int:
+        """The page-table width of decode rows. Pages reserved for drafts that were then not
+        proposed count too: the table holds them."""
+        return self.config.window_for(
+            max(max(s.num_computed + 1 + ahead, s.pages.capacity) for s in seqs))
+
     def _decode(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
         """One token per row. A static batch computes its finished rows too: `decode_width`
         rows at least. Planned ahead (`after`), each row sits one slot further than its
         computed tokens and feeds the token `after` samples for it."""
         seqs, ahead = plan.decode, int(after is not None)
         rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
-        # Pages reserved for drafts that were then not proposed count too: the table holds them.
-        width = self.config.window_for(
-            max(max(s.num_computed + 1 + ahead, s.pages.capacity) for s in seqs))
-        tokens = np.zeros((rows, 1), np.int32)
-        cached = np.zeros(rows, np.int32)
-        q_lens = np.zeros(rows, np.int32)
-        sample_index = np.zeros(rows, np.int32)
-        for i, s in enumerate(seqs):
-            if not ahead:
-                tokens[i, 0] = s.request.last_token_id  # decode-ready: the one token not cached
-            cached[i], q_lens[i] = s.num_computed + ahead, 1
-            sample_index[i] = len(s.request.output_ids) + ahead
-        sampled, hidden = self._dispatch(seqs, tokens, cached, q_lens, width, sample_index,
+        width = self._decode_window(seqs, ahead)
+        tokens, cached, q_lens, sample_index = self._decode_rows(seqs, rows, ahead)
+        sampled, hidden = self._dispatch(seqs, tokens[:, None], cached, q_lens, width,
+                                         sample_index,
                                          feed=after.feed if after is not None else None)
 
         def collect() -> list[list[int]]:
@@ -349,7 +357,7 @@ class Runner:
         ignored. Verify steps get (drafts, counts, draft_probs) after the metadata."""
         rows, t = shape.rows, shape.tokens
         if shape.kind == "mixed":
-            return self._dummy_mixed(shape)
+            return self._mixed_inputs(None, [], rows, t, shape.width)
         zeros = np.zeros(rows, np.int32)
         tok, meta, sampling, index = self._inputs([], np.zeros((rows, t), np.int32), zeros,
                                                   zeros, shape.width, zeros)
@@ -362,16 +370,6 @@ class Runner:
         return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
                 probs, sampling, index)
 
-    def _dummy_mixed(self, shape: Shape) -> tuple:
-        """Mixed-step arguments with no valid token (as `_dummy`)."""
-        rows, t, width = shape.rows, shape.tokens, shape.width
-        zeros = lambda n: np.zeros(n, np.int32)
-        chunk_meta = paged_metadata([], 1, width, zeros(1), zeros(1), t)
-        decode_meta = paged_metadata([], rows, width, zeros(rows), zeros(rows), 1)
-        return (jax.device_put(np.zeros((1, t + rows), np.int32)),
-                MixedMetadata((chunk_meta, decode_meta)), jax.device_put(zeros(rows + 1)[None]),
-                SamplingArrays.from_params([], batch=rows + 1), jax.device_put(zeros(rows + 1)))
-
     def _first_use(self, shape: Shape) -> None:
         if shape not in self.ready:
             self.ready.add(shape)
@@ -381,10 +379,19 @@ class Runner:
     def _run_shape(self, shape: Shape) -> None:
         self.ready.add(shape)
         args = self._dummy(shape)
-        programs = self.device_steps
-        step = {"verify": programs.verify_step, "mixed": programs.mixed_step}.get(
-            shape.kind, programs.prefill_step)
+        step, _ = self._program(shape)
         *_, self.cache = step(self.cache, *args)
+
+    def _program(self, shape: Shape
+                 ) -> tuple[Callable[..., tuple], Callable[..., jax.stages.Lowered]]:
+        """(the step, its lowering) that runs `shape`: prefill and decode shapes share
+        prefill_step; verify and mixed steps have their own."""
+        steps = self.device_steps
+        if shape.kind == "verify":
+            return steps.verify_step, steps.lower_verify
+        if shape.kind == "mixed":
+            return steps.mixed_step, steps.lower_mixed
+        return steps.prefill_step, steps.lower_prefill
 
     def warmup(self, progress: bool = False, threads: int = 2) -> int:
         """Compiles every program a serving run can execute (`shapes`, the page copies, and the
@@ -399,9 +406,7 @@ class Runner:
             import concurrent.futures
 
             def compile_one(shape: Shape) -> None:
-                lower = {"verify": self.device_steps.lower_verify,
-                         "mixed": self.device_steps.lower_mixed}.get(
-                    shape.kind, self.device_steps.lower_prefill)
+                _, lower = self._program(shape)
                 lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
