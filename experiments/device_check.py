@@ -293,21 +293,16 @@ def _chained(attend: Any) -> Any:
 def _time_per_call(program: Any, q: Any, arrays: Any, repeats: int, min_time_s: float
                    ) -> tuple[float, int]:
     """(median seconds per call, calls per run) of a compiled `_chained` program."""
-    import time
-
-    import jax
     import numpy as np
 
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(program(q, np.int32(n), arrays))
-        return time.perf_counter() - start
+    from experiments.common import median_time
 
+    run = lambda n: median_time(lambda: program(q, np.int32(n), arrays), repeats=1, warmup=0)
     n, t = 1, run(1)
     while t < min_time_s and n < MAX_CALLS:
         n = min(MAX_CALLS, max(2 * n, math.ceil(1.2 * n * min_time_s / max(t, 1e-7))))
         t = run(n)
-    return float(np.median([run(n) / n for _ in range(repeats)])), n
+    return median_time(lambda: program(q, np.int32(n), arrays), repeats, warmup=0) / n, n
 
 
 def kernel_cell(geometry: Any, kv_format: str, step: Step, context: int, page_size: int,
