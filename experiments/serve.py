@@ -48,6 +48,7 @@ from experiments.llama_server import (GGUF_TYPES, LLAMA_SERVER_PEER, ensure_llam
                                       llama_quantize_path, llama_server_gguf_path,
                                       llama_server_usable, serve_llama_server)
 from experiments.workloads import poisson_pareto, text_ids
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_integer("num_requests", 64, "requests in the workload", flag_values=FLAGS)
@@ -75,6 +76,7 @@ flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/serve.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +234,9 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         output_shape: float, output_scale: float, output_cap: int, max_num_seqs: int,
         max_prefill_tokens: int, max_model_len: int, dtype: str, kv_cache_dtype: str,
         policies: list[str], peers: list[str], seed: int, out: str,
-        llama_server: str = "", resume: bool = False) -> list[dict]:
+        llama_server: str = "", resume: bool = False, tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1, pad_heads: bool = False,
+        dp_routing: str = "least_loaded") -> list[dict]:
     """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
     them (each appended the moment it is measured; with `resume`, ones already there are kept
     and not measured again)."""
@@ -244,14 +248,23 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         if scheduler not in ("static", "continuous") or (plus and variant != "mixed"):
             raise ValueError(f"policy {policy!r}: want static or continuous, optionally with "
                              f"+mixed")
+    if data_parallel_size != 1:
+        raise ValueError("serve measures one engine's step records: run data-parallel replicas "
+                         "through LLM (data_parallel_size) instead")
+    del dp_routing  # one replica: nothing to route
+    from infer.parallel.mesh import ParallelConfig
+    parallel = ParallelConfig(tensor_parallel_size, 1, pad_heads)
+    parallel.replica_meshes()  # too few devices: one line, before the model loads
     peers = serve_peers(peers, llama_server, dtype, "serve")
     log = ResultLog(out, resume=resume)
     from infer.engine.engine import Engine, EngineConfig
     from infer.engine.metrics import summarize
     from infer.io.checkpoint import smollm2_gguf_path
-    from infer.io.loader import load
+    from infer.io.loader import load_on_host
+    from infer.parallel.placement import place_replicas
 
-    config, model, tokenizer = load("smollm2-135m", dtype)
+    config, host_model, tokenizer = load_on_host("smollm2-135m", dtype)
+    (model, mesh), = place_replicas(host_model, parallel)
     work = make_workload(text_ids(tokenizer, 400_000), num_requests=num_requests, rate=rate,
                          prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                          output_scale=output_scale, output_cap=output_cap, seed=seed)
@@ -262,6 +275,8 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
                     prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                     output_scale=output_scale, output_cap=output_cap, seed=seed,
                     max_num_seqs=max_num_seqs, dtype=dtype)
+    if not parallel.is_single_device:  # one-device rows keep their keys (and --resume)
+        workload.update(tensor_parallel_size=tensor_parallel_size, pad_heads=pad_heads)
     runners = {}  # by mixed_steps: the programs differ
 
     def serve_policy(policy: str) -> dict:
@@ -270,7 +285,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         engine = Engine(model, tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
-            scheduler=scheduler, mixed_steps=mixed), runner=runners.get(mixed))
+            scheduler=scheduler, mixed_steps=mixed), runner=runners.get(mixed), mesh=mesh)
         if mixed not in runners:
             start = time.perf_counter()
             programs = engine.warmup(progress=True)

@@ -9,10 +9,13 @@ import jax
 
 from infer.engine.engine import Engine, EngineConfig
 from infer.engine.request import RequestOutput
-from infer.io.loader import load
+from infer.io.loader import load_on_host
 from infer.io.tokenizer import Tokenizer
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
+from infer.parallel.mesh import ParallelConfig
+from infer.parallel.placement import place_replicas
+from infer.parallel.replicas import ReplicatedEngine
 from infer.platform import enable_compilation_cache
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
@@ -28,6 +31,11 @@ class LLM:
     KV format (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4).
     scheduler: "continuous" or "static". attention_backend: "reference" or "pallas".
 
+    Past one device (`infer.parallel`): tensor_parallel_size T splits heads, the FFN and the
+    vocabulary over T devices of one mesh (pad_heads=True allows a T that does not divide the
+    heads, with zero heads); data_parallel_size D runs D such engine replicas, requests routed
+    by `dp_routing` ("least_loaded" or "prefix"). T x D devices in all.
+
     Compilation: each program (a decode batch size, a prefill chunk size, per attention window)
     compiles at its first use, inside the call that needs it, and says so in one `infer:` log
     line. `compilation_cache` (on unless the process already chose a directory) keeps compiled
@@ -41,31 +49,50 @@ class LLM:
                  attention_backend: str = "reference", speculative: dict | None = None,
                  max_model_len: int = 2048, max_prefill_tokens: int = 256,
                  num_pages: int | None = None, static_max_wait_s: float = math.inf,
-                 mixed_steps: bool = False, compilation_cache: bool = True,
+                 mixed_steps: bool = False, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, pad_heads: bool = False,
+                 dp_routing: str = "least_loaded", compilation_cache: bool = True,
                  warmup: bool = False) -> None:
         if compilation_cache and not jax.config.jax_compilation_cache_dir:
             enable_compilation_cache()
-        self.config, self.model, self.tokenizer = load(model, dtype)
-        self.engine = Engine(self.model, self.tokenizer, EngineConfig(
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads)
+        parallel.replica_meshes()  # too few devices fails before the checkpoint is read
+        config, host_model, tokenizer = load_on_host(model, dtype)
+        self._serve(config, host_model, tokenizer, EngineConfig(
             kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
-            mixed_steps=mixed_steps, speculative=SpeculativeConfig(**speculative) if speculative else None))
+            mixed_steps=mixed_steps,
+            speculative=SpeculativeConfig(**speculative) if speculative else None),
+            parallel, dp_routing)
         if warmup:
             self.engine.warmup(progress=True)
 
+    def _serve(self, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
+               engine_config: EngineConfig, parallel: ParallelConfig, dp_routing: str) -> None:
+        """Places the model (one replica per data-parallel group) and builds the engine(s)."""
+        self.config, self.tokenizer = config, tokenizer
+        replicas = place_replicas(model, parallel)
+        self.model = replicas[0][0]  # with tensor parallelism, its heads as laid out
+        engines = [Engine(m, tokenizer, engine_config, mesh=mesh) for m, mesh in replicas]
+        self.engine: Engine | ReplicatedEngine = (
+            engines[0] if len(engines) == 1 else ReplicatedEngine(engines, dp_routing))
+
     @classmethod
     def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
+                    tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                    pad_heads: bool = False, dp_routing: str = "least_loaded",
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
-        EngineConfig fields."""
+        EngineConfig fields, the parallel sizes are `LLM`'s."""
         llm = cls.__new__(cls)
-        llm.config, llm.model, llm.tokenizer = config, model, tokenizer
         spec = engine.pop("speculative", None)
         if isinstance(spec, dict):
             spec = SpeculativeConfig(**spec)
-        llm.engine = Engine(model, tokenizer, EngineConfig(**engine, speculative=spec))
+        llm._serve(config, model, tokenizer, EngineConfig(**engine, speculative=spec),
+                   ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads),
+                   dp_routing)
         return llm
 
     def generate(self, prompts: str | Sequence[str] | None = None,

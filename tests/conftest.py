@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
+
+# Eight virtual CPU devices for the multi-device tests (tests/parallel), set before JAX starts its
+# backend; every other test keeps to the default device, as a one-device program does.
+VIRTUAL_DEVICES = int(os.environ.get("INFER_TEST_DEVICES", "8"))
+jax.config.update("jax_num_cpu_devices", VIRTUAL_DEVICES)
 
 
 @pytest.fixture(scope="session", autouse=True)

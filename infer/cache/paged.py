@@ -25,11 +25,16 @@ import numpy as np
 
 from infer.cache import attention
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
+from infer.model.sharding import BATCH, DEFAULT_RULES, HEAD_DIM, HEADS, KV_HEADS, SEQ, per_shard
 from kernels_pallas import kv_quant
 from kernels_pallas.paged_attention import (paged_attention, paged_prefill_attention,
                                             ragged_paged_attention)
 
 ATTENTION_BACKENDS = ("reference", "pallas")
+
+# Pages [P, K, G, Ds] and their scales split over KV heads, as the k and v projections' outputs
+# are under tensor parallelism: each device writes and reads its own heads' pages alone.
+PAGE_AXES = (None, KV_HEADS, None, None)
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +51,8 @@ class PagedKVCache:
     @staticmethod
     def create(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, kv_format: str = "float32", backend: str = "reference",
-               rotate: bool | None = None) -> "PagedKVCache":
+               rotate: bool | None = None, mesh: jax.sharding.Mesh | None = None
+               ) -> "PagedKVCache":
         """A zeroed pool. Zero pages matter: attention gives masked slots probability 0, and
         0 * garbage must stay 0, so unused slots must never hold NaN or inf.
 
@@ -58,6 +64,9 @@ class PagedKVCache:
         to 99.6% and int4's from 79% to 87% (512 tokens, symmetric int4). A head dim that is not
         a power of two gets a block-diagonal H (see `_hadamard`); rotate=True on an odd head dim
         raises here. kv_format may be an alias ("fp8"); the cache holds the canonical name.
+
+        mesh: allocate the pool split over KV heads on it (`PAGE_AXES`), never whole on one
+        device.
         """
         kv_format = kv_quant.resolve_kv_format(kv_format)
         if backend not in ATTENTION_BACKENDS:
@@ -67,10 +76,14 @@ class PagedKVCache:
                              f"{num_pages}, page_size={page_size}")
         shape = (num_pages, num_kv_heads, page_size, kv_quant.stored_head_dim(head_dim, kv_format))
         dtype = kv_quant.bits_dtype(kv_quant.storage_dtype(kv_format))
-        pages = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        device = None
+        if mesh is not None:
+            device = jax.sharding.NamedSharding(mesh, DEFAULT_RULES.spec(PAGE_AXES))
+        zeros = lambda shape, dtype: jnp.zeros(shape, dtype, device=device)
+        pages = lambda: tuple(zeros(shape, dtype) for _ in range(num_layers))
         groups = kv_quant.scale_groups(head_dim, kv_format)
         scale_dtype = kv_quant.bits_dtype(kv_quant.SCALE_DTYPE)
-        scales = (lambda: tuple(jnp.zeros(shape[:3] + (groups,), scale_dtype)
+        scales = (lambda: tuple(zeros(shape[:3] + (groups,), scale_dtype)
                                 for _ in range(num_layers))) if groups else (lambda: None)
         if rotate is None:
             rotate = groups > 0 and head_dim % 2 == 0
@@ -159,16 +172,28 @@ class PagedKVCache:
                 return self._attend_ragged(layer, q, meta)
             return meta.packed([self._attend(layer, q_part, part)
                                 for q_part, part in zip(meta.split(q), meta.parts)])
-        k_pages, v_pages, k_scales, v_scales = self.pages(layer)
+        pools = self.pages(layer)
         if self.backend == "pallas":
-            args = dict(k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
+            fmt = self.kv_format
             if q.shape[1] == 1 and meta.tree_mask is None:
-                out = paged_attention(q[:, 0], k_pages, v_pages, meta.lengths,
-                                      meta.page_tables, **args)
+                def decode(q, pools, lengths, page_tables):
+                    k, v, k_scales, v_scales = pools
+                    return paged_attention(q, k, v, lengths, page_tables, k_scales=k_scales,
+                                           v_scales=v_scales, kv_format=fmt)
+                out = per_shard(decode, ((BATCH, HEADS, HEAD_DIM), PAGE_AXES, None, None),
+                                (BATCH, HEADS, HEAD_DIM))(q[:, 0], pools, meta.lengths,
+                                                          meta.page_tables)
                 return out[:, None]
-            return paged_prefill_attention(q, k_pages, v_pages, meta.lengths,
-                                           meta.q_lens, meta.page_tables,
-                                           tree_mask=meta.tree_mask, **args)
+
+            def prefill(q, pools, lengths, q_lens, page_tables, tree_mask):
+                k, v, k_scales, v_scales = pools
+                return paged_prefill_attention(q, k, v, lengths, q_lens, page_tables,
+                                               tree_mask=tree_mask, k_scales=k_scales,
+                                               v_scales=v_scales, kv_format=fmt)
+            q_axes = (BATCH, SEQ, HEADS, HEAD_DIM)
+            return per_shard(prefill, (q_axes, PAGE_AXES, None, None, None, None), q_axes)(
+                q, pools, meta.lengths, meta.q_lens, meta.page_tables, meta.tree_mask)
+        k_pages, v_pages, k_scales, v_scales = pools
         # Dequantized straight into the dtype attention computes in: one pass over the pages.
         work = attention.compute_dtype(q.dtype)
         k = self._gather(k_pages, k_scales, meta.page_tables, work)
@@ -194,12 +219,17 @@ class PagedKVCache:
             row += b
         dest = jnp.concatenate(dest)
         packed = jnp.zeros_like(q[0]).at[dest].set(q[0], mode="drop")
-        k_pages, v_pages, k_scales, v_scales = self.pages(layer)
-        out = ragged_paged_attention(
-            packed, k_pages, v_pages, jnp.concatenate([p.lengths for p in meta.parts]), cu,
-            jnp.concatenate([p.page_tables for p in meta.parts]),
-            max_q_len=max(p.positions.shape[1] for p in meta.parts),
-            k_scales=k_scales, v_scales=v_scales, kv_format=self.kv_format)
+        max_q_len, fmt = max(p.positions.shape[1] for p in meta.parts), self.kv_format
+
+        def ragged(packed, pools, lengths, cu, page_tables):
+            k, v, k_scales, v_scales = pools
+            return ragged_paged_attention(packed, k, v, lengths, cu, page_tables,
+                                          max_q_len=max_q_len, k_scales=k_scales,
+                                          v_scales=v_scales, kv_format=fmt)
+        q_axes = (SEQ, HEADS, HEAD_DIM)
+        out = per_shard(ragged, (q_axes, PAGE_AXES, None, None, None), q_axes)(
+            packed, self.pages(layer), jnp.concatenate([p.lengths for p in meta.parts]), cu,
+            jnp.concatenate([p.page_tables for p in meta.parts]))
         return jnp.where((dest < n)[:, None, None], out[jnp.minimum(dest, n - 1)], 0)[None]
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,

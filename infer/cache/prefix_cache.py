@@ -104,6 +104,17 @@ class PrefixCache:
         self._stats["hit_tokens"] += len(pages) * self.page_size
         return pages
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` `match` would find cached, changing nothing
+        (no stats, no recency): for routing a request to the replica that holds its prefix."""
+        node, pages = self._root, 0
+        for key in self._keys(token_ids):
+            node = node.children.get(key)
+            if node is None:
+                break
+            pages += 1
+        return pages * self.page_size
+
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Cache the full pages of a sequence: `pages[i]` holds the KV of tokens
         `token_ids[i*G:(i+1)*G]` (pass only tokens whose KV is written). Returns how many pages

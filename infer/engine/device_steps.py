@@ -9,11 +9,16 @@ sampling parameters) is an array; only shapes are static.
 
 `sample_index` [B] is each row's count of tokens sampled so far: the index of its PRNG streams
 (`infer.sampling`), and nothing else.
+
+With a mesh (tensor parallelism, `infer.parallel`) every step is traced and run under it: the
+weights and the cache come placed, every other input is made whole on each device before the
+call, and sampled tokens leave replicated, so the next step's feed needs no transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.model.binding import Binding, binding
 from infer.model.llama import CacheT, Llama
+from infer.model.sharding import replicate
 from infer.sampling import SamplingArrays, sample
 from infer.spec.verify import verify_chain
 
@@ -37,11 +43,16 @@ class DecodeState:
     page_tables: jax.Array | None = None  # [B, n] int32 for a paged cache
 
 
-class DeviceSteps:
-    """`prefill_step` and `decode_step` of one model, jitted with the cache donated."""
+R = TypeVar("R")
 
-    def __init__(self, model: Llama) -> None:
+
+class DeviceSteps:
+    """`prefill_step` and `decode_step` of one model, jitted with the cache donated; under
+    `mesh` when the model's weights are placed on one (`infer.parallel.placement`)."""
+
+    def __init__(self, model: Llama, mesh: jax.sharding.Mesh | None = None) -> None:
         self.config = model.config
+        self.mesh = mesh
         self.binding: Binding[Llama] = binding(model)
         self.params: list[jax.Array] = self.binding.params
         bind = self.binding.bind
@@ -53,14 +64,14 @@ class DeviceSteps:
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
             logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
             logits = logits[:, 0]
-            return sample(logits, sampling, sample_index), logits, hidden, cache
+            return replicate(sample(logits, sampling, sample_index)), logits, hidden, cache
 
         def decode(params, cache, state):
             model = bind(params)
             meta = AttentionMetadata.for_decode(state.lengths, state.page_tables)
             logits, _, cache = model(state.tokens[:, None], cache, meta)
             logits = logits[:, 0]
-            tokens = sample(logits, state.sampling, state.sample_index)
+            tokens = replicate(sample(logits, state.sampling, state.sample_index))
             state = dataclasses.replace(state, tokens=tokens, lengths=state.lengths + 1,
                                         sample_index=state.sample_index + 1)
             return state, logits, cache
@@ -73,17 +84,35 @@ class DeviceSteps:
             logits, hidden, cache = bind(params)(tokens, cache, meta)
             num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
                                                  sampling, sample_index)
-            return num_accepted, emitted, hidden, cache
+            return replicate(num_accepted), replicate(emitted), hidden, cache
 
         def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
             logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
-            return sample(logits[0], sampling, sample_index), cache
+            return replicate(sample(logits[0], sampling, sample_index)), cache
 
-        self._mixed = jax.jit(mixed, donate_argnums=1)
-        self._forward = jax.jit(forward, donate_argnums=1)
-        self._verify = jax.jit(verify, donate_argnums=1)
-        self._prefill = jax.jit(prefill, donate_argnums=1)
-        self._decode = jax.jit(decode, donate_argnums=1)
+        jit = lambda fn: self._under_mesh(jax.jit(fn, donate_argnums=1))
+        self._mixed = jit(mixed)
+        self._forward = jit(forward)
+        self._verify = jit(verify)
+        self._prefill = jit(prefill)
+        self._decode = jit(decode)
+
+    def _under_mesh(self, program: Callable[..., R]) -> Callable[..., R]:
+        """`program` called (and lowered: `.lower`) under the mesh, its inputs past the weights
+        and the cache replicated onto it; `program` itself without a mesh."""
+        if self.mesh is None:
+            return program
+        mesh, whole = self.mesh, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+        def placed(run: Callable[..., R]) -> Callable[..., R]:
+            def call(params, cache, *inputs):
+                with jax.set_mesh(mesh):
+                    return run(params, cache, *jax.device_put(inputs, whole))
+            return call
+
+        call = placed(program)
+        call.lower = placed(program.lower)
+        return call
 
     def forward_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata
                      ) -> tuple[jax.Array, jax.Array, CacheT]:

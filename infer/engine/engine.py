@@ -19,6 +19,7 @@ import math
 import time
 from typing import Callable, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from infer.cache.page_allocator import PageAllocator
@@ -77,9 +78,10 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, config: EngineConfig,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, mesh: jax.sharding.Mesh | None = None) -> None:
         """`runner` reuses another engine's compiled programs and cache pool (its shapes must
-        match this config; it must not serve two engines at once)."""
+        match this config; it must not serve two engines at once). `mesh`: the one the model's
+        weights are placed on (`infer.parallel`), for tensor parallelism."""
         self.model_config = model.config
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
@@ -110,9 +112,12 @@ class Engine:
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
         proposer = None
+        if config.speculative and mesh is not None and mesh.size > 1:
+            raise ValueError("speculative decoding runs on one device: its proposers are not "
+                             "placed on a mesh")
         if config.speculative and runner is None:
             proposer = make_proposer(config.speculative, model, runner_config)
-        self.runner = runner or Runner(model, runner_config, proposer)
+        self.runner = runner or Runner(model, runner_config, proposer, mesh)
         # The scheduler's limits and the vocabulary: a request checked here is not checked again.
         self.limits = dataclasses.replace(self.scheduler.limits,
                                           vocab_size=model.config.vocab_size)

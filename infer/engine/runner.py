@@ -104,22 +104,28 @@ class Shape:
 
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
-                 proposer: "Proposer | None" = None) -> None:
+                 proposer: "Proposer | None" = None, mesh: jax.sharding.Mesh | None = None
+                 ) -> None:
+        """`mesh`: the model's weights are placed on it (`infer.parallel.placement`); the cache is
+        allocated on it, split over KV heads."""
         if (proposer is None) != (config.num_speculative_tokens == 0):
             raise ValueError("speculative decoding needs both a proposer and "
                              "num_speculative_tokens > 0")
         self.config = config
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
-        self.device_steps = DeviceSteps(model)
+        self.device_steps = DeviceSteps(model, mesh)
         # Programs this process has run: the first run of any other compiles it (or loads it
         # from the persistent cache) inside a user's step, and says so.
         self.ready: set[Shape] = set()
         self.times = StepTimes()  # the latest step's
+        # Across hosts, process 0's runner sends each step (and warm-up) here first, so that the
+        # other processes run it too (`infer.parallel.distributed`); None on one host.
+        self.mirror: Callable[..., object] | None = None
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
-                                         config.attention_backend)
+                                         config.attention_backend, mesh=mesh)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -137,6 +143,8 @@ class Runner:
         if plan.ahead != (after is not None):
             raise ValueError("a step planned ahead runs after the step in flight it follows, "
                              "and only such a step does")
+        if self.mirror is not None:
+            self.mirror("step", plan)
         if plan.page_copies:
             src, dst = zip(*plan.page_copies)
             self.cache = copy_pages(self.cache, list(src), list(dst))
@@ -184,6 +192,8 @@ class Runner:
     def _wait(self, values: jax.Array) -> np.ndarray:
         """`values` on the host, once the device has them: the time counts as the device's."""
         start = time.perf_counter()
+        if not values.is_fully_addressable:  # replicated over hosts: this host's copy is whole
+            values = values.addressable_data(0)
         out = np.asarray(values)
         self.times.device_s += time.perf_counter() - start
         return out
@@ -401,6 +411,8 @@ class Runner:
         the step programs are first compiled ahead of time on `threads` threads into that cache;
         each is then run once, which loads it. Without it, each is compiled as it is run.
         """
+        if self.mirror is not None:
+            self.mirror("warmup", False, threads)
         shapes = self.shapes()
         if jax.config.jax_compilation_cache_dir and threads > 1:
             import concurrent.futures

@@ -24,13 +24,15 @@ def _take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]) 
 def model_from_hf_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
                           dtype: jnp.dtype = jnp.float32) -> Llama:
     """Builds the model from tensors named and laid out as in HF's `LlamaForCausalLM`
-    (linear weights `[out, in]`), casting to `dtype`."""
+    (linear weights `[out, in]`), cast to `dtype`, its weights on the host (numpy): where they go
+    is placement's business (`infer.parallel.placement.place_model`), so that a sharded model is
+    never whole on one device."""
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     h, k, d = config.num_heads, config.num_kv_heads, config.head_dim
     model = nnx.eval_shape(lambda: Llama(config, dtype))  # shapes only: no throwaway init
 
     def put(param: nnx.Param, value: np.ndarray) -> None:
-        param.set_value(jnp.asarray(value, dtype=dtype))
+        param.set_value(np.ascontiguousarray(np.asarray(value).astype(jnp.dtype(dtype))))
 
     put(model.embed, _take(tensors, "model.embed_tokens.weight", (v, e)))
     put(model.norm.weight, _take(tensors, "model.norm.weight", (e,)))

@@ -11,6 +11,7 @@ from infer.io.hf_weights import model_from_hf_tensors
 from infer.io.tokenizer import Tokenizer
 from infer.model.config import PRESETS, LlamaConfig
 from infer.model.llama import Llama
+from infer.parallel.placement import place_model
 
 # Presets whose weights ship with an installed package; the rest are shapes only.
 BUNDLED = {"smollm2-135m": smollm2_gguf_path}
@@ -53,8 +54,17 @@ def resolve_path(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
 
 def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
          ) -> tuple[LlamaConfig, Llama, Tokenizer]:
-    """Loads (config, model, tokenizer). The model is the Flax module holding the weights;
-    `infer.model.binding.binding(model)` gives the flat weights the jitted steps take."""
+    """Loads (config, model, tokenizer), the weights on the default device. The model is the
+    Flax module holding the weights; `infer.model.binding.binding(model)` gives the flat weights
+    the jitted steps take."""
+    config, model, tokenizer = load_on_host(name_or_path, dtype)
+    return config, place_model(model, None), tokenizer
+
+
+def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
+                 ) -> tuple[LlamaConfig, Llama, Tokenizer]:
+    """`load` with the weights left in host memory (numpy), for placement on a mesh
+    (`infer.parallel.placement.place_model`)."""
     weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
     checkpoint = read_checkpoint(path)

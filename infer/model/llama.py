@@ -23,7 +23,8 @@ from flax import nnx
 
 from infer.cache.metadata import AttentionMetadata
 from infer.model.config import LlamaConfig
-from infer.model.sharding import BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB, shard
+from infer.model.sharding import (BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
+                                  replicate, shard)
 
 CacheT = TypeVar("CacheT", bound="KVCacheLike")
 
@@ -190,9 +191,15 @@ class Llama(nnx.Module):
         return self.embed[...][tokens].astype(jnp.float32)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final hidden states [..., E] (after the final norm) -> logits [..., V] in float32."""
+        """Final hidden states [..., E] (after the final norm) -> logits [..., V] in float32.
+        Under tensor parallelism each device computes its slice of the vocabulary, then one
+        all-gather makes the logits whole everywhere: sampling (sorts, cumulative sums, argmax)
+        then runs on every device alike with no collective of its own."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return dense(hidden, head[...], "...e,ve->...v")
+        local = dense(hidden, head[...], "...e,ve->...v")
+        # Pinned vocabulary-sharded first: left free, XLA gathered the whole [V, E] table instead.
+        local = shard(local, (None,) * (local.ndim - 1) + (VOCAB,))
+        return replicate(local)
 
     def __call__(self, tokens: jax.Array, cache: CacheT, meta: AttentionMetadata,
                  logit_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array, CacheT]:

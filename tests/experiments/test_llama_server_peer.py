@@ -81,7 +81,7 @@ def test_a_missing_binary_skips_the_peer_with_one_line_before_any_work(tmp_path,
     def load(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(infer.io.loader, "load", load)
+    monkeypatch.setattr(infer.io.loader, "load_on_host", load)
     monkeypatch.setattr(llama_server, "LLAMA_SERVER_CACHE", str(tmp_path / "cache"))
     args = dict(num_requests=2, rate=1.0, prompt_min=4, prompt_max=8, output_shape=1.5,
                 output_scale=2.0, output_cap=4, max_num_seqs=2, max_prefill_tokens=16,

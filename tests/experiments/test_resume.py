@@ -142,7 +142,7 @@ def test_serve_skips_a_peer_without_its_packages_before_any_work(tmp_path, monke
     def load(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr(infer.io.loader, "load", load)
+    monkeypatch.setattr(infer.io.loader, "load_on_host", load)
     args = dict(num_requests=2, rate=1.0, prompt_min=4, prompt_max=8, output_shape=1.5,
                 output_scale=2.0, output_cap=4, max_num_seqs=2, max_prefill_tokens=16,
                 max_model_len=64, dtype="float32", kv_cache_dtype="auto", policies=["static"],

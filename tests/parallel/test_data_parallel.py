@@ -1,0 +1,73 @@
+"""Data parallelism as engine replicas behind one front (`infer.parallel.replicas`), on virtual
+CPU devices: routing, ids, outputs in prompt order, and one device's tokens."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.llm import LLM
+from infer.model.llama import Llama
+from infer.parallel.replicas import ReplicatedEngine
+from infer.sampling_params import SamplingParams
+from tests.parallel.test_tensor_parallel import ENGINE, GROUPED, _prompts, _sampled
+
+
+@pytest.fixture(scope="module")
+def grouped() -> Llama:
+    return Llama(GROUPED, jnp.float32, nnx.Rngs(5))
+
+
+@pytest.mark.parametrize("parallel", [dict(data_parallel_size=2),
+                                      dict(tensor_parallel_size=3, data_parallel_size=2)])
+def test_replicas_give_one_device_tokens_in_prompt_order(grouped, parallel):
+    prompts = _prompts(7, n=7)
+    expected = _sampled(LLM.from_loaded(GROUPED, grouped, None, **ENGINE), prompts)
+    llm = LLM.from_loaded(GROUPED, grouped, None, **ENGINE, **parallel)
+    assert isinstance(llm.engine, ReplicatedEngine)
+    devices = [set(r.runner.device_steps.params[0].devices()) for r in llm.engine.replicas]
+    assert not devices[0] & devices[1]  # each replica on its own device group
+    assert _sampled(llm, prompts) == expected
+
+
+def test_least_loaded_routing_spreads_requests(grouped):
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=3, **ENGINE)
+    front = llm.engine
+    ids = [front.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=2))
+           for p in _prompts(3, n=7)]
+    assert len(set(ids)) == 7  # the front's ids, unique across replicas
+    assert sorted(len(r.scheduler.seqs) for r in front.replicas) == [2, 2, 3]
+    aborted = front.abort(ids[0])
+    assert aborted is not None and aborted.finished
+    assert front.output(ids[0]).finished
+    front.run_until_done()
+    assert all(front.output(i).finished for i in ids)
+
+
+def test_prefix_routing_follows_the_cached_prefix(grouped):
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2,
+                          enable_prefix_caching=True, dp_routing="prefix", **ENGINE)
+    front, rng = llm.engine, np.random.default_rng(11)
+    shared = rng.integers(0, GROUPED.vocab_size, 40).tolist()
+    sp = SamplingParams(max_tokens=3, temperature=1.0, seed=0)
+    front.add_request(prompt_token_ids=shared + [1, 2], params=sp)
+    front.run_until_done()  # replica 0 now caches the shared prefix
+    busy = front.add_request(prompt_token_ids=[5, 6, 7], params=sp)  # replica 0 busier
+    assert busy in front.replicas[0].scheduler.seqs
+    follower = front.make_request(prompt_token_ids=shared + [3], params=sp)
+    assert front.route(follower) == 0  # least loaded would say 1
+    front.submit(follower)
+    front.run_until_done()
+    one = LLM.from_loaded(GROUPED, grouped, None, **ENGINE)
+    assert front.output(follower.request_id).token_ids == _sampled(one, [shared + [3]], 3)[0]
+
+
+def test_front_rejects_bad_configurations(grouped):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, dp_routing="prefix",
+                        **ENGINE)
+    with pytest.raises(ValueError, match="routing must be one of"):
+        LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, dp_routing="random",
+                        **ENGINE)

@@ -1,0 +1,215 @@
+"""Tensor parallelism on virtual CPU devices (tests/conftest.py makes eight): head layouts,
+placement, collectives per step, and the engine's tokens against one device's.
+
+TP is never bitwise equal to one device (an all-reduce sums in another order): logits are
+compared within 1e-4, and tokens exactly. Tokens are sampled (temperature 1, a seed per prompt):
+that exercises the sampler over gathered logits too. A draw flips only when logits a few 1e-6
+apart straddle its uniform; with fixed weights and seeds such a near-tie would show the same way
+on every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.cache.metadata import AttentionMetadata
+from infer.cache.paged import PagedKVCache
+from infer.engine.runner import Runner, RunnerConfig, Shape
+from infer.llm import LLM
+from infer.model.config import get_config
+from infer.model.llama import Llama
+from infer.parallel.heads import apply_head_layout, head_layout
+from infer.parallel.hlo import collectives
+from infer.parallel.mesh import ParallelConfig
+from infer.parallel.placement import bytes_per_device, place_replicas
+from infer.platform import CompileCounter
+from infer.sampling_params import SamplingParams
+
+# SmolLM2's 3:1 grouping (9 query, 3 KV heads) at a size that compiles in seconds. Untied: with
+# random weights a tied head maps each token's residual back onto the token itself, and every
+# row would repeat its last prompt token.
+GROUPED = dataclasses.replace(get_config("tiny"), name="tiny-3kv", num_heads=6, num_kv_heads=3,
+                              intermediate_size=192, vocab_size=384, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def grouped() -> Llama:
+    return Llama(GROUPED, jnp.float32, nnx.Rngs(5))
+
+
+def _prefill_logits(model: Llama, mesh, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Logits at every position of a paged prefill of `tokens` [B, T] (rows of `lengths`)."""
+    from infer.engine.device_steps import DeviceSteps
+    c, (b, t) = model.config, tokens.shape
+    pages = -(-t // 16)
+    cache = PagedKVCache.create(c.num_layers, b * pages, 16, c.num_kv_heads, c.head_dim,
+                                mesh=mesh)
+    meta = AttentionMetadata.for_prefill(
+        jnp.asarray(lengths, jnp.int32), t,
+        page_tables=jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages))
+    logits, _, _ = DeviceSteps(model, mesh).forward_step(cache, jnp.asarray(tokens), meta)
+    return np.asarray(logits)
+
+
+# -- head layouts ---------------------------------------------------------------------------------
+
+def test_head_layouts_of_smollm2():
+    smol = get_config("smollm2-135m")
+    assert head_layout(smol, 3) == head_layout(smol, 3, pad_heads=True)
+    assert head_layout(smol, 3).way == "split"
+    with pytest.raises(ValueError, match=r"intermediate_size 1536; .*: \[1, 3\]"):
+        head_layout(smol, 9)  # 9 heads would split, the FFN would not
+    replicate = head_layout(GROUPED, 6)  # one query head per device, each next to its KV head
+    assert (replicate.way, replicate.num_heads, replicate.num_kv_heads) == ("replicate", 6, 6)
+    for t in (2, 4):
+        with pytest.raises(ValueError, match=r"sizes that do: \[1, 3\].*pad_heads=True"):
+            head_layout(smol, t)
+        padded = head_layout(smol, t, pad_heads=True)
+        assert (padded.way, padded.num_heads, padded.num_kv_heads) == ("pad", 12, 4)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        head_layout(get_config("tiny"), 3)
+
+
+@pytest.mark.parametrize("t,pad", [(2, True), (4, True), (6, False), (8, True)])
+def test_widened_heads_are_exact_on_one_device(grouped, t, pad):
+    """Padding and replication change the weights, never the function: on one device the
+    logits are bitwise those of the original heads."""
+    layout = head_layout(GROUPED, t, pad_heads=pad)
+    widened = apply_head_layout(grouped, layout)
+    assert widened.config.num_kv_heads == layout.num_kv_heads != GROUPED.num_kv_heads
+    rng = np.random.default_rng(t)
+    tokens = rng.integers(0, GROUPED.vocab_size, (2, 24))
+    lengths = np.array([24, int(rng.integers(1, 24))])
+    from infer.parallel.placement import place_model
+    np.testing.assert_array_equal(_prefill_logits(place_model(widened, None), None, tokens, lengths),
+                                  _prefill_logits(grouped, None, tokens, lengths))
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,pad", [(3, False), (2, True), (6, False)])
+def test_logits_match_one_device(grouped, t, pad):
+    (model, mesh), = place_replicas(grouped, ParallelConfig(t, 1, pad))
+    rng = np.random.default_rng(10 + t)
+    tokens = rng.integers(0, GROUPED.vocab_size, (3, 20))
+    lengths = rng.integers(1, 21, 3)
+    out = _prefill_logits(model, mesh, tokens, lengths)
+    ref = _prefill_logits(grouped, None, tokens, lengths)
+    valid = np.arange(20)[None] < lengths[:, None]
+    np.testing.assert_allclose(out[valid], ref[valid], atol=1e-4, rtol=0)
+
+
+def test_bytes_per_device_are_a_tp_th_of_the_sharded_parts(grouped):
+    (model, mesh), = place_replicas(grouped, ParallelConfig(3))
+    runner = Runner(model, RunnerConfig(num_pages=8, max_num_seqs=2, max_model_len=64),
+                    mesh=mesh)
+    params = runner.device_steps.params
+    sharded = [p for p in params if not p.sharding.is_fully_replicated]
+    whole = [p for p in params if p.sharding.is_fully_replicated]
+    assert {len(p.sharding.device_set) for p in params} == {3}
+    assert sum(p.nbytes for p in sharded) > 10 * sum(p.nbytes for p in whole)  # norms only
+    held = bytes_per_device(params)
+    expected = sum(p.nbytes for p in sharded) // 3 + sum(p.nbytes for p in whole)
+    assert set(held.values()) == {expected}
+    pools = runner.cache.k + runner.cache.v
+    assert set(bytes_per_device(list(pools)).values()) == {sum(p.nbytes for p in pools) // 3}
+
+
+@pytest.mark.parametrize("t,pad,shape", [
+    (3, False, Shape("decode", 4, 1, 4)), (2, True, Shape("decode", 2, 1, 4)),
+    (3, False, Shape("prefill", 1, 16, 4))])
+def test_collectives_per_step(grouped, t, pad, shape):
+    """Megatron's count: one all-reduce after the attention and one after the MLP of each layer,
+    one for the vocabulary-parallel embedding, and one all-gather of the logits. Anything else
+    (a weight gathered, pages moved between devices) is a sharding regression."""
+    (model, mesh), = place_replicas(grouped, ParallelConfig(t, 1, pad))
+    runner = Runner(model, RunnerConfig(num_pages=16, max_num_seqs=4, max_model_len=64),
+                    mesh=mesh)
+    _, lower = runner._program(shape)
+    found = collectives(lower(runner.cache, *runner._dummy(shape)).compile().as_text())
+    layers = GROUPED.num_layers
+    assert found.counts == {"all-reduce": 2 * layers + 1, "all-gather": 1, "all-to-all": 0,
+                            "reduce-scatter": 0, "collective-permute": 0}
+    # The gather moves the logits of the rows that sample, nothing bigger.
+    assert found.bytes["all-gather"] == shape.rows * GROUPED.vocab_size * 4
+
+
+def test_cache_stays_on_its_heads_after_a_step(grouped):
+    (model, mesh), = place_replicas(grouped, ParallelConfig(3))
+    runner = Runner(model, RunnerConfig(num_pages=8, max_num_seqs=2, max_model_len=64),
+                    mesh=mesh)
+    before = [p.sharding for p in runner.cache.k]
+    runner._run_shape(Shape("decode", 2, 1, 4))
+    after = [p.sharding for p in runner.cache.k]
+    assert all(a.is_equivalent_to(b, 4) for a, b in zip(after, before))
+    assert before[0].spec[1] == "model"
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+def _sampled(llm: LLM, prompts: list[list[int]], max_tokens: int = 8,
+             temperature: float = 1.0) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert len({t for out in outs for t in out}) > len(outs)  # not one repeated token per row
+    return outs
+
+
+def _prompts(seed: int, n: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, GROUPED.vocab_size, int(rng.integers(2, 15))).tolist()
+            for _ in range(n)]
+
+
+ENGINE = dict(max_num_seqs=4, max_model_len=64, max_prefill_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def one_device_tokens(grouped):
+    prompts = _prompts(0)
+    return prompts, _sampled(LLM.from_loaded(GROUPED, grouped, None, **ENGINE), prompts)
+
+
+@pytest.mark.parametrize("parallel", [
+    dict(tensor_parallel_size=3), dict(tensor_parallel_size=2, pad_heads=True),
+    dict(tensor_parallel_size=3, attention_backend="pallas"),
+    dict(tensor_parallel_size=2, pad_heads=True, attention_backend="pallas", mixed_steps=True)])
+def test_engine_tokens_match_one_device(grouped, one_device_tokens, parallel):
+    prompts, expected = one_device_tokens
+    llm = LLM.from_loaded(GROUPED, grouped, None, **ENGINE, **parallel)
+    assert _sampled(llm, prompts) == expected
+
+
+def test_no_compilation_after_warmup_with_a_mesh(grouped):
+    llm = LLM.from_loaded(GROUPED, grouped, None, tensor_parallel_size=3, **ENGINE)
+    llm.engine.warmup()
+    with CompileCounter() as compiles:
+        _sampled(llm, _prompts(1, n=6))
+    assert compiles.count == 0
+
+
+def test_errors_before_any_weight_moves(grouped):
+    with pytest.raises(ValueError, match="pad_heads=True"):
+        LLM.from_loaded(GROUPED, grouped, None, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs 16 devices, but 8 are visible"):
+        LLM.from_loaded(GROUPED, grouped, None, tensor_parallel_size=4, data_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int"):
+        ParallelConfig(tensor_parallel_size=0)
+
+
+def test_smollm2_tp3_gives_one_device_greedy_tokens(smollm2):
+    config, model, tokenizer = smollm2
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    engine = dict(max_num_seqs=2, max_model_len=128, max_prefill_tokens=16)
+    one = _sampled(LLM.from_loaded(config, model, tokenizer, **engine), prompts, 6, 0.0)
+    three = _sampled(LLM.from_loaded(config, model, tokenizer, tensor_parallel_size=3, **engine),
+                     prompts, 6, 0.0)
+    assert three == one
+    assert jax.device_count() >= 3
