@@ -8,13 +8,19 @@ from kernels_pallas import kv_quant
 
 
 def test_scheme_parsing_and_bytes() -> None:
-    assert Scheme.parse("token:32") == Scheme("token", 32)
+    assert Scheme.parse("token:32") == Scheme("token", 32, rotate=True)
     assert Scheme.parse("channel:16+mean") == Scheme("channel", 16, mean=True)
     # The int4 format's cost (D = 64): 32 bytes of nibbles, two (scale, low) pairs.
     assert Scheme.parse("token:32").bytes_per_token(64) == 40 == kv_quant.bytes_per_token_per_head(
         64, "int4")
     assert Scheme.parse("channel:64").bytes_per_token(64) == 36
     assert Scheme.parse("none").bytes_per_token(64) == 256
+    # One-byte steps and lows halve the scales: the scheme that reaches 95% (README) costs 36
+    # bytes per token and head on each side, plus its bfloat16 window and sinks per sequence.
+    keys = Scheme.parse("channel:32+res+prerope+log8+z8+sink")
+    values = Scheme.parse("token:32+log8+z8+sink")
+    assert keys.bytes_per_token(64) == values.bytes_per_token(64) == 36
+    assert keys.residual_bytes(64) == 2 * 64 * (32 + 4) and values.residual_bytes(64) == 2 * 64 * 4
     for bad in ("token", "channel:x", "rows:4", "none:3"):
         with pytest.raises(ValueError, match="want token:G"):
             Scheme.parse(bad)
@@ -26,7 +32,7 @@ def test_token_scheme_is_the_int4_format() -> None:
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 3, 64)) * 3, jnp.float32)
     data, scales = kv_quant.quantize(hadamard_rotate(x), "int4")
     real = hadamard_rotate(kv_quant.dequantize(data, scales, "int4"), inverse=True)
-    fake = fake_quantize(x, Scheme("token", 32))
+    fake = fake_quantize(x, Scheme.parse("token:32"))
     step = float(jnp.max(scales[..., :2].astype(jnp.float32)))
     np.testing.assert_allclose(np.asarray(fake), np.asarray(real), atol=step)
 
