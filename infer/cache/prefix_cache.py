@@ -90,14 +90,11 @@ class PrefixCache:
         `prompt[:-1]` so that token is never inside a matched page (the alternative, matching the
         whole prompt, needs `prepare_write` to copy the last shared page before recomputing it).
         """
-        node, pages = self._root, []
+        nodes = self._matched(token_ids)
         self._clock += 1
-        for key in self._keys(token_ids):
-            node = node.children.get(key)
-            if node is None:
-                break
+        for node in nodes:
             node.last_used = self._clock
-            pages.append(node.page)
+        pages = [node.page for node in nodes]
         self._stats["lookups"] += 1
         self._stats["lookup_tokens"] += len(token_ids)
         self._stats["hits"] += bool(pages)
@@ -107,13 +104,17 @@ class PrefixCache:
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` `match` would find cached, changing nothing
         (no stats, no recency): for routing a request to the replica that holds its prefix."""
-        node, pages = self._root, 0
+        return len(self._matched(token_ids)) * self.page_size
+
+    def _matched(self, token_ids: Sequence[int]) -> list[_Node]:
+        """The nodes of the longest cached page-aligned prefix of `token_ids`, root excluded."""
+        node, nodes = self._root, []
         for key in self._keys(token_ids):
             node = node.children.get(key)
             if node is None:
                 break
-            pages += 1
-        return pages * self.page_size
+            nodes.append(node)
+        return nodes
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Cache the full pages of a sequence: `pages[i]` holds the KV of tokens

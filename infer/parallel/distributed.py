@@ -25,6 +25,7 @@ import numpy as np
 from infer.engine.plan import InFlight, StepPlan
 from infer.engine.runner import Runner
 from infer.io.tokenizer import Tokenizer
+from infer.parallel.replicas import ReplicatedEngine
 
 if TYPE_CHECKING:
     from infer.llm import LLM
@@ -85,11 +86,10 @@ def run(llm: "LLM", main: Callable[["LLM"], T]) -> T | None:
     On one process, just `main(llm)`."""
     if jax.process_count() == 1:
         return main(llm)
-    runners = [r.runner for r in getattr(llm.engine, "replicas", [llm.engine])]
-    if len(runners) != 1:
+    if isinstance(llm.engine, ReplicatedEngine):
         raise ValueError("across hosts, one engine replica spans the processes: use "
                          "tensor_parallel_size, not data_parallel_size")
-    runner = runners[0]
+    runner = llm.engine.runner
     if jax.process_index() != 0:
         _follow(runner)
         return None

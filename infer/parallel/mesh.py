@@ -16,7 +16,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh
 
 DATA, MODEL = "data", "model"
 
@@ -58,11 +58,3 @@ class ParallelConfig:
                      axis_types=(AxisType.Auto, AxisType.Auto))
                 for r in range(self.data_parallel_size)]
 
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    """Every device of the mesh holds the whole array: sampled tokens, lengths, page tables."""
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def tensor_parallel_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape[MODEL]

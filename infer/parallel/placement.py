@@ -24,7 +24,10 @@ from infer.platform import logger
 def param_shardings(model: Llama, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
                     ) -> list[NamedSharding]:
     """The sharding of each weight, in the order of `infer.model.binding`'s flat params."""
-    _, state = nnx.split(model)
+    return _shardings(nnx.split(model)[1], mesh, rules)
+
+
+def _shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> list[NamedSharding]:
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return [NamedSharding(mesh, rules.spec(v.get_metadata()["logical_axes"]))
             for v in variables]
@@ -39,7 +42,7 @@ def place_model(model: Llama, mesh: Mesh | None, rules: ShardingRules = DEFAULT_
         placed = [jax.device_put(leaf) for leaf in leaves]
     else:
         placed = [jax.device_put(leaf, sharding)
-                  for leaf, sharding in zip(leaves, param_shardings(model, mesh, rules))]
+                  for leaf, sharding in zip(leaves, _shardings(state, mesh, rules))]
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, placed))
 
 
