@@ -11,6 +11,12 @@ import pytest
 # backend; every other test keeps to the default device, as a one-device program does.
 VIRTUAL_DEVICES = int(os.environ.get("INFER_TEST_DEVICES", "8"))
 jax.config.update("jax_num_cpu_devices", VIRTUAL_DEVICES)
+# Compiling, not running, is most of the suite's time (hundreds of small step programs), and no
+# test times anything: LLVM's O0 compiles a tiny engine's programs in two thirds of the time and
+# runs SmolLM2's no slower. Also read by the processes tests start (multi-host workers).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,6 +45,17 @@ def smollm2():
     """(config, model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded by infer."""
     from infer.io.loader import load
     return load("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_4_layers(smollm2):
+    """SmolLM2's first 4 layers with its final norm and head, sharing its arrays: the real
+    weights, heads and page shapes for tests of a mechanism that works layer by layer (an
+    attention kernel, draft bookkeeping), at an eighth of the 30-layer programs' compile time."""
+    from infer.spec.draft_model import self_draft
+    config, model, tokenizer = smollm2
+    sliced = self_draft(model, 4)
+    return sliced.config, sliced, tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -162,10 +162,11 @@ def test_bad_cache_arguments() -> None:
         _paged(0, 4)
 
 
-def test_smollm2_greedy_paged_pallas_equals_contiguous(smollm2) -> None:
-    """The real model, greedy, two prompts: contiguous cache against paged + Pallas kernels
-    (interpreted on CPU) with shuffled page tables, token for token."""
-    _, model, tokenizer = smollm2
+def test_smollm2_greedy_paged_pallas_equals_contiguous(smollm2_4_layers) -> None:
+    """The real weights and shapes (SmolLM2's first 4 layers), greedy, two prompts: contiguous
+    cache against paged + Pallas kernels (interpreted on CPU) with shuffled page tables, token
+    for token."""
+    _, model, tokenizer = smollm2_4_layers
     steps = DeviceSteps(model)
     prompts = [tokenizer.encode("The three primary colors are"),
                tokenizer.encode("import numpy as np\n\ndef softmax(x):\n")]

@@ -33,10 +33,11 @@ def serve(engine: Engine, inputs: list[list[int]], params) -> list[list[int]]:
     return [engine.output(i).token_ids for i in ids]
 
 
-def test_greedy_alone_equals_inside_a_batch_of_32_smollm2(smollm2) -> None:
-    """Float32 SmolLM2: a greedy request gives the same tokens alone as among 31 others
-    (different lengths, some sampled), whatever its batch row and the padding around it."""
-    _, model, tokenizer = smollm2
+def test_greedy_alone_equals_inside_a_batch_of_32_smollm2(smollm2_4_layers) -> None:
+    """SmolLM2's weights (its first 4 layers: each row's arithmetic is per layer): a greedy
+    request gives the same tokens alone as among 31 others (different lengths, some sampled),
+    whatever its batch row and the padding around it."""
+    _, model, tokenizer = smollm2_4_layers
     from experiments.common import real_text
     text = tokenizer.encode(real_text(30_000, offset=100_000))
     rng = np.random.default_rng(1)
@@ -127,11 +128,11 @@ def test_mixed_steps_give_the_same_tokens(tiny_model, backend: str, seed: int) -
     assert results[True] == results[False]
 
 
-def test_pallas_engine_gives_the_reference_tokens_smollm2(smollm2) -> None:
-    """SmolLM2, greedy, through the engine: the Pallas kernels (interpreted on CPU) give the
-    reference backend's tokens, in plain steps and in mixed ones (the ragged kernel: a second
-    prompt's chunks arrive while the first decodes)."""
-    _, model, tokenizer = smollm2
+def test_pallas_engine_gives_the_reference_tokens_smollm2(smollm2_4_layers) -> None:
+    """SmolLM2's weights and shapes (its first 4 layers), greedy, through the engine: the Pallas
+    kernels (interpreted on CPU) give the reference backend's tokens, in plain steps and in mixed
+    ones (the ragged kernel: a second prompt's chunks arrive while the first decodes)."""
+    _, model, tokenizer = smollm2_4_layers
     prompts = [tokenizer.encode("The three primary colors are"),
                tokenizer.encode("import numpy as np\n\ndef softmax(x):\n    # subtract the max "
                                 "for numerical stability, then normalize\n")]
@@ -256,10 +257,11 @@ def test_bad_requests_rejected_without_disturbing_running_ones(tiny_model) -> No
     assert len(engine.output(ok).token_ids) == 12
 
 
-def test_prefix_caching_keeps_greedy_outputs_smollm2(smollm2) -> None:
-    """Float32 SmolLM2, multi-turn chats and requests behind a shared system prompt: greedy
-    outputs with the prefix cache equal those without it, while most prefill is skipped."""
-    _, model, tokenizer = smollm2
+def test_prefix_caching_keeps_greedy_outputs_smollm2(smollm2_4_layers) -> None:
+    """SmolLM2's weights and tokenizer (its first 4 layers), multi-turn chats and requests
+    behind a shared system prompt: greedy outputs with the prefix cache equal those without it,
+    while most prefill is skipped."""
+    _, model, tokenizer = smollm2_4_layers
     system = {"role": "system", "content": "You are a terse assistant. Answer in one sentence, "
               "name concrete facts, and never apologise or repeat the question back."}
     questions = ["What is a page table?", "Why is decode memory-bound?",

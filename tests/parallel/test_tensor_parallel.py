@@ -204,8 +204,9 @@ def test_errors_before_any_weight_moves(grouped):
         ParallelConfig(tensor_parallel_size=0)
 
 
-def test_smollm2_tp3_gives_one_device_greedy_tokens(smollm2):
-    config, model, tokenizer = smollm2
+def test_smollm2_tp3_gives_one_device_greedy_tokens(smollm2_4_layers):
+    """SmolLM2's weights and its 9/3 heads (its first 4 layers: the split is per layer)."""
+    config, model, tokenizer = smollm2_4_layers
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     engine = dict(max_num_seqs=2, max_model_len=128, max_prefill_tokens=16)
     one = _sampled(LLM.from_loaded(config, model, tokenizer, **engine), prompts, 6, 0.0)

@@ -118,10 +118,10 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weig
 @pytest.fixture(scope="module")
 def smollm2_specs() -> list[SpeculativeConfig]:
     """The shipped draft and EAGLE weights (weights/, trained by experiments.train_draft and
-    experiments.train_eagle) with n-gram lookup and a 4-layer self-draft."""
-    return [SpeculativeConfig("ngram", 4), SpeculativeConfig("self_draft", 3,
-                                                             self_draft_layers=4),
-            SpeculativeConfig("draft", 4), SpeculativeConfig("eagle", 4)]
+    experiments.train_eagle) with n-gram lookup. (The self-draft's bookkeeping on real weights
+    is the full-depth test below; every proposer runs on the tiny model too.)"""
+    return [SpeculativeConfig("ngram", 4), SpeculativeConfig("draft", 4),
+            SpeculativeConfig("eagle", 4)]
 
 
 def test_every_proposer_keeps_greedy_outputs_smollm2(smollm2, smollm2_specs) -> None:
@@ -138,17 +138,17 @@ def test_every_proposer_keeps_greedy_outputs_smollm2(smollm2, smollm2_specs) -> 
     for spec in smollm2_specs:
         out, stats = serve(model, tokenizer, prompts, spec, greedy, **overrides)
         assert out == plain, spec.method
-        # A 4-layer self-draft agrees with the target on ~5% of tokens: it may accept none here.
-        assert stats["accepted" if spec.method != "self_draft" else "proposed"] > 0, spec.method
+        assert stats["accepted"] > 0, spec.method
 
 
 @pytest.mark.parametrize("num_pages", [None, 5])  # 5: requests are preempted and recomputed
-def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2, num_pages) -> None:
+def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2_4_layers, num_pages) -> None:
     """A self-draft with all of the target's layers is the target: if its cache bookkeeping
     (catch-up, rollback, positions, a reset after preemption) is right, greedy drafts are all
     accepted. Draft state kept across a preemption attends to pages that then hold other
-    requests' KV: outputs stay exact while acceptance collapses."""
-    config, model, tokenizer = smollm2
+    requests' KV: outputs stay exact while acceptance collapses. (The target is SmolLM2's first
+    4 layers: the bookkeeping is the same at any depth.)"""
+    config, model, tokenizer = smollm2_4_layers
     prompts = [tokenizer.encode(text) for text in (
         "The history of the printing press begins", "def fibonacci(n):",
         "Rivers of Europe, from west to east:", "import numpy as np\nx =")]

@@ -275,8 +275,8 @@ def test_a_step_past_max_len_raises(speculators) -> None:
     spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
 
 
-def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2) -> None:
-    config, target, tokenizer = smollm2
+def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2_4_layers) -> None:
+    config, target, tokenizer = smollm2_4_layers
     head = EagleHead(config, jnp.float32, nnx.Rngs(0))
     prompt = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}]))
