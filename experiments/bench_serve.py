@@ -1,0 +1,342 @@
+"""A serving benchmark over HTTP with `vllm bench serve`'s definitions, so that infer's numbers
+sit beside anyone's:
+
+  python -m experiments.bench_serve --servers=infer[,llamaserver] --num_prompts=32 \\
+      --request_rate=4 --random_input_len=64 --random_output_len=32
+
+The client (aiohttp, streaming `/v1/completions`) sends each request at its arrival time and
+measures on the client:
+  TTFT   send -> the first SSE event with non-empty `choices` (even if its text is "")
+  ITL    the gaps between a request's later such events, pooled over all requests
+  E2EL   send -> the last token event (the usage event does not move it)
+  TPOT   (E2EL - TTFT) / (output tokens - 1), per request with more than one token
+  output tokens: the usage chunk's `completion_tokens` (`stream_options.include_usage`)
+Aggregates: request and output throughput over the duration (first send to last completion),
+mean / median / std / --metric_percentiles of each, and goodput: requests per second meeting
+every --goodput SLO (e.g. ttft:1000,tpot:100, milliseconds).
+
+Workload: vLLM's `random` dataset with infer's tokenizer (lengths uniform over
+[floor(L(1-r)), ceil(L(1+r))], consecutive token ids from a random offset over the non-special
+vocabulary, decoded and re-encoded to the length), `ignore_eos` so every server generates the
+same tokens; arrivals with gamma gaps of shape --burstiness (1: Poisson) rescaled so the last
+arrival is at num_prompts / rate (rate inf: all at once); --seed fixes both. The realised
+schedule (offsets, prompts, output lengths) is saved in each row; --replay=ROWS.jsonl sends a
+saved one again, to another server.
+
+--servers: `infer` starts `python -m infer.serve` (waits for /health, i.e. warm-up), `llamaserver`
+llama.cpp's `llama-server` on the same GGUF in the same dtype (see experiments/serve.py for the
+build), `url=http://host:port` a server already running. One row per server is appended to
+results/bench_serve.jsonl (--out) with vLLM's result keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from absl import flags
+
+from experiments.common import environment, markdown_table, run_main
+from experiments.llama_server import (ensure_llama_server_gguf, free_port, llama_quantize_path,
+                                      llama_server_command, llama_server_gguf_path,
+                                      llama_server_usable, server_process)
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_list("servers", ["infer"], "infer, llamaserver, or url=http://HOST:PORT",
+                  flag_values=FLAGS)
+flags.DEFINE_string("model", "smollm2-135m", "the model every server serves", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
+flags.DEFINE_integer("num_prompts", 32, "requests", flag_values=FLAGS)
+flags.DEFINE_float("request_rate", 4.0, "mean arrivals per second (inf: all at once)",
+                   flag_values=FLAGS)
+flags.DEFINE_float("burstiness", 1.0, "gamma shape of the gaps (1: Poisson)", flag_values=FLAGS)
+flags.DEFINE_integer("max_concurrency", None, "requests in flight at most (client side)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("random_input_len", 64, "prompt tokens (mean)", flag_values=FLAGS)
+flags.DEFINE_integer("random_output_len", 32, "output tokens (mean)", flag_values=FLAGS)
+flags.DEFINE_float("random_range_ratio", 0.0, "lengths uniform in L(1 -+ r)", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "dataset and arrival seed", flag_values=FLAGS)
+flags.DEFINE_string("replay", None, "a bench_serve JSONL: send its first row's schedule again",
+                    flag_values=FLAGS)
+flags.DEFINE_list("metric_percentiles", ["50", "90", "99"], "percentiles reported",
+                  flag_values=FLAGS)
+flags.DEFINE_list("goodput", ["ttft:1000", "tpot:100"], "SLOs in ms (ttft, tpot, e2el)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 8, "server slots (infer's max_num_seqs, llama-server's -np)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 512, "server context per slot", flag_values=FLAGS)
+flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk (llama-server's batch)",
+                     flag_values=FLAGS)
+flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""), "llama-server binary",
+                    flag_values=FLAGS)
+flags.DEFINE_string("out", "results/bench_serve.jsonl", "JSONL output", flag_values=FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One request of the schedule: when it is sent, what it asks."""
+
+    offset_s: float
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                   range_ratio: float, seed: int) -> list[tuple[str, int, int]]:
+    """vLLM's `random` dataset: (prompt text, its token count, output length) per request."""
+    rng = np.random.default_rng(seed)
+    lo_in, hi_in = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
+    lo_out = max(1, math.floor(output_len * (1 - range_ratio)))
+    hi_out = math.ceil(output_len * (1 + range_ratio))
+    allowed = np.array([t for t in range(tokenizer.vocab_size) if not tokenizer.is_special(t)])
+    out = []
+    for _ in range(num_prompts):
+        n = int(rng.integers(max(1, lo_in), hi_in + 1))
+        offset = int(rng.integers(0, len(allowed)))
+        ids = allowed[(offset + np.arange(n)) % len(allowed)].tolist()
+        # Decoding and re-encoding merges some tokens: re-encode, then cut or pad to n.
+        ids = tokenizer.encode(tokenizer.decode(ids), add_bos=False)[:n]
+        while len(ids) < n:
+            ids = tokenizer.encode(tokenizer.decode(ids + allowed[:n - len(ids)].tolist()),
+                                   add_bos=False)[:n]
+        text = tokenizer.decode(ids)
+        out.append((text, len(tokenizer.encode(text)), int(rng.integers(lo_out, hi_out + 1))))
+    return out
+
+
+def arrival_offsets(num_prompts: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Send times from 0: gamma gaps (shape `burstiness`, mean 1/rate) cumulated and rescaled so
+    that the last one is num_prompts / rate, as vLLM does; all zero for an infinite rate."""
+    if math.isinf(rate):
+        return np.zeros(num_prompts)
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate and burstiness must be > 0, got {rate}, {burstiness}")
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_prompts)
+    times = np.cumsum(gaps)
+    return times * (num_prompts / rate) / times[-1]
+
+
+def schedule(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+             range_ratio: float, rate: float, burstiness: float, seed: int) -> list[Scheduled]:
+    data = random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
+    offsets = arrival_offsets(num_prompts, rate, burstiness, seed)
+    return [Scheduled(float(t), p, n, o) for t, (p, n, o) in zip(offsets, data)]
+
+
+@dataclasses.dataclass
+class Measured:
+    ok: bool
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    start_s: float = 0.0
+    text: str = ""
+    error: str = ""
+
+
+async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
+    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len,
+            "temperature": 0.0, "repetition_penalty": 1.0, "logprobs": None, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    m = Measured(ok=False, start_s=start)
+    last = None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                m.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return m
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                now = time.perf_counter()
+                if event.get("choices"):
+                    if last is None:
+                        m.ttft_s = now - start
+                    else:
+                        m.itl_s.append(now - last)
+                    last = now
+                    m.text += event["choices"][0].get("text") or ""
+                if event.get("usage"):
+                    m.output_tokens = event["usage"]["completion_tokens"]
+                    m.prompt_tokens = event["usage"]["prompt_tokens"]
+        if last is None:
+            m.error = "no token event"
+            return m
+        m.latency_s = last - start
+        m.ok = True
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        m.error = repr(e)
+    return m
+
+
+async def run_schedule(url: str, model: str, items: Sequence[Scheduled],
+                       max_concurrency: int | None = None, progress: bool = True
+                       ) -> tuple[list[Measured], float]:
+    """Sends every request at its offset; (measurements in schedule order, duration s)."""
+    import aiohttp
+    from tqdm import tqdm
+    limit = asyncio.Semaphore(max_concurrency or len(items))
+    bar = tqdm(total=len(items), desc=f"requests to {url}", disable=not progress)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 20,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        first = time.perf_counter()
+
+        async def send(item: Scheduled) -> Measured:
+            await asyncio.sleep(max(0.0, first + item.offset_s - time.perf_counter()))
+            async with limit:
+                m = await _one(session, url, model, item)
+            bar.update(1)
+            return m
+
+        results = await asyncio.gather(*(send(i) for i in items))
+        duration = max((m.start_s + m.latency_s for m in results if m.ok), default=first) - first
+    bar.close()
+    return list(results), duration
+
+
+def summarize(results: Sequence[Measured], duration_s: float, percentiles: Sequence[float],
+              goodput_ms: dict[str, float]) -> dict[str, Any]:
+    """vLLM's result keys."""
+    ok = [m for m in results if m.ok]
+    ttft = [m.ttft_s for m in ok]
+    tpot = [(m.latency_s - m.ttft_s) / (m.output_tokens - 1) for m in ok if m.output_tokens > 1]
+    itl = [g for m in ok for g in m.itl_s]
+    e2el = [m.latency_s for m in ok]
+    out_tokens = sum(m.output_tokens for m in ok)
+    in_tokens = sum(m.prompt_tokens for m in ok)
+
+    def good(m: Measured) -> bool:
+        per = {"ttft": m.ttft_s, "e2el": m.latency_s,
+               "tpot": (m.latency_s - m.ttft_s) / (m.output_tokens - 1)
+               if m.output_tokens > 1 else 0.0}
+        return all(per[k] * 1e3 <= v for k, v in goodput_ms.items())
+
+    row: dict[str, Any] = {
+        "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration_s if duration_s else 0.0,
+        "request_goodput": sum(map(good, ok)) / duration_s if duration_s else 0.0,
+        "output_throughput": out_tokens / duration_s if duration_s else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s else 0.0,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        ms = np.asarray(values, float) * 1e3
+        row[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else None
+        row[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else None
+        row[f"std_{name}_ms"] = float(ms.std()) if ms.size else None
+        for p in percentiles:
+            row[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
+    row.update(input_lens=[m.prompt_tokens for m in results],
+               output_lens=[m.output_tokens for m in results], ttfts=ttft,
+               itls=[m.itl_s for m in results], latencies=e2el,
+               start_times=[m.start_s for m in results],
+               errors=[m.error for m in results if not m.ok])
+    return row
+
+
+@contextlib.contextmanager
+def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_len: int,
+             max_prefill_tokens: int, llama_server: str) -> Iterator[tuple[str, str]]:
+    """(base url, served model name) of a running server, started here unless given by url."""
+    if server.startswith("url="):
+        yield server[4:].rstrip("/"), model
+        return
+    port = free_port()
+    if server == "infer":
+        command = [sys.executable, "-m", "infer.serve", f"--model={model}", f"--dtype={dtype}",
+                   f"--port={port}", f"--max_num_seqs={max_num_seqs}",
+                   f"--max_model_len={max_model_len}",
+                   f"--max_prefill_tokens={max_prefill_tokens}"]
+        with server_process(command, port, name="infer.serve", ready_timeout_s=1800):
+            yield f"http://127.0.0.1:{port}", model
+        return
+    if server == "llamaserver":
+        src = _gguf(model)
+        gguf = llama_server_gguf_path(src, dtype)
+        ensure_llama_server_gguf(src, dtype, llama_quantize_path(llama_server))
+        command = llama_server_command(llama_server, gguf, port=port, slots=max_num_seqs,
+                                       max_model_len=max_model_len, threads=os.cpu_count() or 1,
+                                       batch=max_prefill_tokens)
+        with server_process(command, port):
+            yield f"http://127.0.0.1:{port}", model
+        return
+    raise ValueError(f"unknown server {server!r}: infer, llamaserver or url=http://HOST:PORT")
+
+
+def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
+        num_prompts: int = 32, request_rate: float = 4.0, burstiness: float = 1.0,
+        max_concurrency: int | None = None, random_input_len: int = 64,
+        random_output_len: int = 32, random_range_ratio: float = 0.0, seed: int = 0,
+        replay: str | None = None, metric_percentiles: list[float] = (50, 90, 99),
+        goodput: list[str] = ("ttft:1000", "tpot:100"), max_num_seqs: int = 8,
+        max_model_len: int = 512, max_prefill_tokens: int = 256, llama_server: str = "",
+        out: str = "results/bench_serve.jsonl") -> list[dict[str, Any]]:
+    slos = {}
+    for g in goodput:
+        name, _, ms = g.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not ms:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS, e2el:MS; got {g!r}")
+        slos[name] = float(ms)
+    if "llamaserver" in servers and not llama_server_usable(
+            llama_server, llama_server_gguf_path(_gguf(model), dtype), "bench_serve"):
+        servers = [s for s in servers if s != "llamaserver"]
+    if replay:
+        with open(replay) as fh:
+            saved = json.loads(fh.readline())
+        items = [Scheduled(**s) for s in saved["schedule"]]
+    else:
+        from infer.io.loader import load_on_host
+        items = schedule(load_on_host(model)[2], num_prompts, random_input_len,
+                         random_output_len, random_range_ratio, request_rate, burstiness, seed)
+    rows = []
+    for server in servers:
+        with launched(server, model, dtype, max_num_seqs, max_model_len, max_prefill_tokens,
+                      llama_server) as (url, served):
+            # One request first, untimed, as vLLM's client sends: connections and lazy setup.
+            asyncio.run(run_schedule(url, served, items[:1], progress=False))
+            results, duration = asyncio.run(run_schedule(url, served, items, max_concurrency))
+        row = {"server": server, "model": model, "dtype": dtype, "num_prompts": len(items),
+               "request_rate": request_rate, "burstiness": burstiness,
+               "max_concurrency": max_concurrency, "random_input_len": random_input_len,
+               "random_output_len": random_output_len, "random_range_ratio": random_range_ratio,
+               "seed": seed, "max_num_seqs": max_num_seqs, "goodput_slo_ms": slos,
+               **summarize(results, duration, [float(p) for p in metric_percentiles], slos),
+               "schedule": [dataclasses.asdict(i) for i in items], "environment": environment()}
+        rows.append(row)
+        if out:
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            with open(out, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+    p = f"p{float(metric_percentiles[-1]):g}"
+    print(markdown_table(rows, [
+        ("server", "server"), ("completed", "done"), ("request_throughput", "req/s"),
+        ("output_throughput", "out tok/s"), ("request_goodput", "goodput req/s"),
+        ("median_ttft_ms", "TTFT p50 ms"), (f"{p}_ttft_ms", f"TTFT {p} ms"),
+        ("median_tpot_ms", "TPOT p50 ms"), ("median_itl_ms", "ITL p50 ms"),
+        (f"{p}_itl_ms", f"ITL {p} ms"), ("median_e2el_ms", "E2EL p50 ms")]))
+    return rows
+
+
+def _gguf(model: str) -> str:
+    """The GGUF file llama-server reads for `model` (the bundled preset's, or the path)."""
+    from infer.io.checkpoint import smollm2_gguf_path
+    return smollm2_gguf_path() if model == "smollm2-135m" else model
+
+
+if __name__ == "__main__":
+    run_main(run, FLAGS)

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP surface (Starlette): routes, JSON in and out, Server-Sent Events,
+and client disconnects turned into aborts. Request bodies are checked in `protocol`, the engine
+is stepped by `worker`'s thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import time
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from infer.engine.engine import Engine
+from infer.engine.request import RequestOutput
+from infer.parallel.replicas import ReplicatedEngine
+from infer.serve import protocol
+from infer.serve.metrics import CONTENT_TYPE, ServerMetrics
+from infer.serve.protocol import ApiError, Job, ServedModel
+from infer.serve.worker import EngineDied, EngineWorker
+
+log = logging.getLogger("infer")
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.envelope(), status_code=error.status)
+
+
+class Server:
+    """One engine behind the OpenAI API. `app` is the ASGI application."""
+
+    def __init__(self, engine: Engine | ReplicatedEngine, served: ServedModel,
+                 warmup: bool = True) -> None:
+        if any(r.config.scheduler == "static" and r.config.static_max_wait_s == float("inf")
+               for r in _replicas(engine)):
+            raise ValueError("a server never knows that no more requests will come: the static "
+                             "scheduler needs a finite static_max_wait_s")
+        self.served = served
+        self.engine = engine
+        self.metrics = ServerMetrics(served.name)
+        self.worker = EngineWorker(engine, self.metrics, warmup=warmup)
+        routes = [
+            Route("/health", self.health), Route("/v1/health", self.health),
+            Route("/v1/models", self.models), Route("/v1/models/{model_id:path}", self.model),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/metrics", self.prometheus),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers={
+            HTTPException: self._http_error, ApiError: self._api_error,
+            Exception: self._internal_error})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        with self.metrics:
+            self.worker.start(asyncio.get_running_loop())
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.worker.stop)
+
+    # -- errors --------------------------------------------------------------------------------
+
+    async def _http_error(self, request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        status = exc.status_code if exc.status_code in ApiError.TYPES else 400
+        if exc.status_code == 404:
+            return error_response(ApiError(404, f"no route {request.url.path}"))
+        return JSONResponse(ApiError(status, str(exc.detail)).envelope(),
+                            status_code=exc.status_code)
+
+    async def _api_error(self, request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    async def _internal_error(self, request: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("internal error serving %s", request.url.path)
+        return error_response(ApiError(500, f"internal error: {exc!r}"))
+
+    # -- small routes --------------------------------------------------------------------------
+
+    async def health(self, request: HttpRequest) -> Response:
+        if self.worker.error is not None:
+            raise ApiError(503, f"the engine stopped: {self.worker.error!r}")
+        if not self.worker.ready.is_set():
+            raise ApiError(503, "warming up: compiling the engine's programs")
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self.served.card()]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        if request.path_params["model_id"] != self.served.name:
+            raise ApiError(404, f"The model `{request.path_params['model_id']}` does not exist.",
+                           "model")
+        return JSONResponse(self.served.card())
+
+    async def prometheus(self, request: HttpRequest) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def version(self, request: HttpRequest) -> Response:
+        return JSONResponse({"version": _git_revision()})
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string", "prompt")
+        add = body.get("add_special_tokens")
+        tokens = self.served.tokenizer.encode(prompt, add_bos=None if add is None else bool(add))
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": self.served.max_model_len})
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = await _json_body(request)
+        try:
+            text = self.served.tokenizer.decode(body.get("tokens"))
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"tokens: {e}", "tokens") from None
+        return JSONResponse({"prompt": text})
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, protocol.parse_completion)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, protocol.parse_chat)
+
+    async def _generate(self, request: HttpRequest, parse) -> Response:
+        arrival_s = time.perf_counter()  # server-side TTFT includes the inbox wait
+        if not self.worker.ready.is_set() or self.worker.error is not None:
+            raise ApiError(503, "the engine is not ready")
+        body = await _json_body(request)
+        header_id = request.headers.get("x-request-id")
+        if header_id and "request_id" not in body:
+            body = {**body, "request_id": header_id}
+        job = parse(body, self.served, self.engine.make_request, arrival_s)
+        stream = _JobStream(job)
+        try:
+            self.worker.submit(job.requests, stream.put)
+        except EngineDied as e:
+            raise ApiError(503, str(e)) from None
+        if job.stream:
+            return StreamingResponse(self._events(job, stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(job, stream, request)
+
+    async def _whole(self, job: Job, stream: "_JobStream", request: HttpRequest) -> Response:
+        """Waits for every choice; a client that goes away aborts them."""
+        disconnect = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not stream.done:
+                got = asyncio.ensure_future(stream.next())
+                await asyncio.wait({got, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return Response(status_code=499)  # nobody is listening
+                stream.raise_error(got.result())
+        finally:
+            disconnect.cancel()
+            if not stream.done:
+                self.worker.abort([r.request_id for r in job.requests])
+        return JSONResponse(protocol.response(job, stream.finals()))
+
+    async def _events(self, job: Job, stream: "_JobStream") -> AsyncIterator[str]:
+        """One event per choice per engine step that gave it tokens; usage; [DONE]. If the
+        client disconnects, Starlette cancels this generator and the finally aborts."""
+        sent = [""] * len(job.requests)
+        try:
+            while not stream.done:
+                item = await stream.next()
+                if isinstance(item, BaseException):
+                    yield _sse({"error": ApiError(500, str(item)).envelope()["error"]})
+                    break
+                for out in item:
+                    i = stream.index[out.request_id]
+                    text = out.text
+                    if not text.startswith(sent[i]):  # never happens; a stream cannot unsay
+                        log.warning("request %s: its text changed under the stream",
+                                    out.request_id)
+                        text = sent[i]
+                    yield _sse(protocol.chunk(job, i, out, text[len(sent[i]):],
+                                              first=stream.first_event(i)))
+                    sent[i] = text
+            else:
+                if job.include_usage:
+                    yield _sse(protocol.usage_chunk(job, stream.finals()))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.done:
+                self.worker.abort([r.request_id for r in job.requests])
+
+
+class _JobStream:
+    """The outputs of one job's requests, as the engine thread delivers them."""
+
+    def __init__(self, job: Job) -> None:
+        self.index = {r.request_id: i for i, r in enumerate(job.requests)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._final: dict[int, RequestOutput] = {}
+        self._started: set[int] = set()
+        self.failed = False
+
+    def put(self, item: list[RequestOutput] | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.failed = True
+        else:
+            for out in item:
+                if out.finished:
+                    self._final[self.index[out.request_id]] = out
+        self._queue.put_nowait(item)
+
+    async def next(self) -> list[RequestOutput] | BaseException:
+        return await self._queue.get()
+
+    @property
+    def done(self) -> bool:
+        return self.failed or len(self._final) == len(self.index) and self._queue.empty()
+
+    def finals(self) -> list[RequestOutput]:
+        return [self._final[i] for i in range(len(self.index))]
+
+    def first_event(self, i: int) -> bool:
+        first = i not in self._started
+        self._started.add(i)
+        return first
+
+    @staticmethod
+    def raise_error(item: list[RequestOutput] | BaseException) -> None:
+        if isinstance(item, ValueError):  # the engine refused the job (a duplicate id)
+            raise ApiError(400, str(item), "request_id")
+        if isinstance(item, BaseException):
+            raise ApiError(500, str(item))
+
+
+def _replicas(engine: Engine | ReplicatedEngine) -> list[Engine]:
+    return engine.replicas if isinstance(engine, ReplicatedEngine) else [engine]
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _json_body(request: HttpRequest) -> dict:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(400, f"the body must be application/json, got {kind or 'no type'!r}")
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _disconnected(request: HttpRequest) -> None:
+    """Returns once the client has gone (the body is read already, so receive() waits)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, cwd=__file__.rsplit("/", 3)[0]
+                              ).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

@@ -1,0 +1,419 @@
+"""The OpenAI wire format: request bodies checked and turned into engine requests, and outputs
+turned into response bodies and stream chunks. No HTTP here (that is `app.py`), and no engine
+state: everything is a function of the body, the served model and the outputs.
+
+Defaults are OpenAI's (temperature 1.0, completions' max_tokens 16), not `SamplingParams`'.
+Fields infer does not implement are accepted at their neutral value and refused with 400
+otherwise: a silently ignored penalty would give wrong results without any sign."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Callable, Mapping, Sequence
+
+from infer.engine.request import FinishReason, Request, RequestOutput
+from infer.io.tokenizer import Tokenizer
+from infer.sampling_params import SamplingParams, is_integer
+
+log = logging.getLogger("infer")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's envelope: `{"error": {message, type, param, code}}`."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def envelope(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the protocol needs to know of the model behind the server."""
+
+    name: str
+    root: str  # the preset, file or directory it was loaded from
+    max_model_len: int
+    max_num_seqs: int
+    tokenizer: Tokenizer
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+                "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+
+
+@dataclasses.dataclass
+class Job:
+    """One HTTP request: its engine requests, choice by choice (n per prompt)."""
+
+    kind: str  # "completion" or "chat"
+    response_id: str
+    model: str
+    created: int
+    requests: list[Request]  # choice index i is requests[i]: prompt i // n, its draw i % n
+    n: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens counted once per prompt, not once per choice (OpenAI's usage)."""
+        return sum(len(r.prompt_token_ids) for r in self.requests[::self.n])
+
+
+# Fields infer lacks, with the values that mean "off": any other value is refused.
+_NEUTRAL: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "prompt_logprobs": (None,), "repetition_penalty": (None, 1, 1.0),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "suffix": (None, ""), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0), "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "json_schema": (None,),
+    "regex": (None,), "ebnf": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "continue_final_message": (None, False),
+    "chat_template_kwargs": (None, {}), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+}
+# Fields read below, or harmless to ignore (`user` only tags requests for OpenAI's abuse checks).
+_KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids", "ignore_eos",
+          "stream", "stream_options", "return_token_ids", "request_id", "user",
+          "add_generation_prompt", "parallel_tool_calls", "add_special_tokens"} | set(_NEUTRAL)
+
+
+class _UnknownFields:
+    """Logs each unknown field name once per server, then ignores it."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, body: Mapping) -> None:
+        for name in sorted(set(body) - _KNOWN - self.seen):
+            self.seen.add(name)
+            log.info("ignoring the request field %r (not an OpenAI or vLLM field infer reads)",
+                     name)
+
+
+warn_unknown = _UnknownFields()
+
+
+def _refuse_unsupported(body: Mapping) -> None:
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not any(_same(body[name], v) for v in neutral):
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by infer (yet): only "
+                                f"{', '.join(repr(v) for v in neutral)} is accepted", name)
+
+
+def _same(a: object, b: object) -> bool:
+    """JSON equality that keeps true apart from 1 and false from 0."""
+    return type(a) is type(b) and a == b or (
+        not isinstance(a, bool) and not isinstance(b, bool)
+        and isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b)
+
+
+def _bool(body: Mapping, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _int(body: Mapping, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_integer(value):
+        raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
+    return int(value)
+
+
+def _number(body: Mapping, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _stop(body: Mapping) -> tuple[str, ...] | None:
+    stop = body.get("stop")
+    if stop is None or stop == []:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {stop!r}",
+                       "stop")
+    return tuple(stop)
+
+
+def _stop_token_ids(body: Mapping) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(is_integer(t) and t >= 0 for t in ids):
+        raise ApiError(400, f"stop_token_ids must be a list of ints >= 0, got {ids!r}",
+                       "stop_token_ids")
+    return tuple(int(t) for t in ids)
+
+
+def sampling_params(body: Mapping, max_tokens: int) -> SamplingParams:
+    """The body's sampling fields with OpenAI's defaults; bad values raise ApiError naming the
+    field (SamplingParams' own checks, whose problems each start with the field's name)."""
+    top_k = _int(body, "top_k", 0)
+    if top_k == -1:  # SGLang's "off"; vLLM's is 0
+        top_k = 0
+    kwargs = dict(temperature=_number(body, "temperature", 1.0),
+                  top_p=_number(body, "top_p", 1.0), top_k=top_k, max_tokens=max_tokens,
+                  seed=_int(body, "seed", None), stop=_stop(body),
+                  stop_token_ids=_stop_token_ids(body),
+                  ignore_eos=_bool(body, "ignore_eos", False))
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        first = str(e).removeprefix("invalid SamplingParams: ").split(";")[0]
+        name = first.split(" ", 1)[0]
+        raise ApiError(400, first, name if name in kwargs else None) from None
+
+
+def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool]:
+    """model, n, best_of, stream and stream_options: (n, stream, include_usage)."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
+    warn_unknown(body)
+    model = body.get("model")
+    if model is not None and model != served.name:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    _refuse_unsupported(body)
+    n = _int(body, "n", 1)
+    if not 1 <= n <= served.max_num_seqs:
+        raise ApiError(400, f"n must be in [1, {served.max_num_seqs}] (max_num_seqs), got {n}",
+                       "n")
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"best_of must equal n ({n}) when given, got {best_of}: infer does "
+                            f"not rank candidates", "best_of")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       "stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ApiError(400, f"stream_options must be an object, got {options!r}",
+                       "stream_options")
+    include_usage = bool(options and _bool(options, "include_usage", False))
+    return n, stream, include_usage
+
+
+def _response_id(body: Mapping, prefix: str) -> str:
+    given = body.get("request_id")
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(given, str) or not given:
+        raise ApiError(400, f"request_id must be a non-empty string, got {given!r}",
+                       "request_id")
+    return given
+
+
+MakeRequest = Callable[..., Request]  # Engine.make_request's signature
+
+
+def _requests(make_request: MakeRequest, response_id: str, prompts: Sequence[dict],
+              params: SamplingParams, n: int, arrival_s: float, param: str) -> list[Request]:
+    """n requests per prompt, choice i of a seeded request drawing with seed + i (vLLM's
+    rule), each id unique: `{response_id}-{prompt}.{choice}`."""
+    out = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**32
+            try:
+                out.append(make_request(params=dataclasses.replace(params, seed=seed),
+                                        request_id=f"{response_id}-{p}.{i}",
+                                        arrival_s=arrival_s, **prompt))
+            except ValueError as e:
+                raise ApiError(400, str(e), param) from None
+    return out
+
+
+def _context_check(num_prompt: int, max_tokens: int, served: ServedModel, param: str) -> None:
+    if num_prompt + max_tokens > served.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {served.max_model_len} "
+                            f"tokens. However, you requested {num_prompt + max_tokens} tokens "
+                            f"({num_prompt} in the {param}, {max_tokens} in the completion). "
+                            f"Please reduce the length of the {param} or completion.",
+                       "max_tokens")
+
+
+def _prompts(body: Mapping, tokenizer: Tokenizer) -> list[list[int]]:
+    """`prompt` as token ids: a string, a list of strings, a list of ids or a list of lists."""
+    prompt = body.get("prompt")
+
+    def ids(x: object) -> list[int] | None:
+        if isinstance(x, list) and x and all(is_integer(t) and not isinstance(t, bool)
+                                             for t in x):
+            return [int(t) for t in x]
+        return None
+
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif ids(prompt) is not None:
+        return [ids(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(ids(p) is not None for p in prompt):
+        return [ids(p) for p in prompt]
+    else:
+        raise ApiError(400, "prompt must be a non-empty string, list of strings, list of token "
+                            f"ids or list of lists of them, got {prompt!r:.80}", "prompt")
+    if not all(prompts):
+        raise ApiError(400, "prompt is empty", "prompt")
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
+                     arrival_s: float) -> Job:
+    n, stream, include_usage = _check_common(body, served)
+    prompts = _prompts(body, served.tokenizer)
+    max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    params = sampling_params(body, max_tokens)
+    for ids in prompts:
+        _context_check(len(ids), max_tokens, served, "prompt")
+    response_id = _response_id(body, "cmpl")
+    requests = _requests(make_request, response_id, [dict(prompt_token_ids=p) for p in prompts],
+                         params, n, arrival_s, "prompt")
+    return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
+               include_usage, _bool(body, "return_token_ids", False))
+
+
+def chat_messages(messages: object) -> list[dict[str, str]]:
+    """OpenAI messages as the chat template's: content a string, or a list of text parts
+    joined (what `vllm bench serve --backend openai-chat` sends); any other part is refused."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] must be an object with role system, user or "
+                                f"assistant, got {m!r:.80}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, Mapping) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported, "
+                                        f"got {part!r:.80}", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text "
+                                f"parts, got {content!r:.80}", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
+               arrival_s: float) -> Job:
+    n, stream, include_usage = _check_common(body, served)
+    if not isinstance(body.get("messages"), list):
+        raise ApiError(400, "messages is required: a list of {role, content}", "messages")
+    text = served.tokenizer.apply_chat_template(
+        chat_messages(body["messages"]),
+        add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    # As LLM.chat does: the rendered template is the prompt, encoded once.
+    prompt_ids = served.tokenizer.encode(text)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _int(body, name, None)
+    if max_tokens is None:  # OpenAI's chat default: as long as the context allows
+        max_tokens = served.max_model_len - len(prompt_ids)
+        _context_check(len(prompt_ids), 1, served, "messages")
+    params = sampling_params(body, max_tokens)
+    _context_check(len(prompt_ids), max_tokens, served, "messages")
+    response_id = _response_id(body, "chatcmpl")
+    requests = _requests(make_request, response_id, [dict(prompt_token_ids=prompt_ids)],
+                         params, n, arrival_s, "messages")
+    return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
+               include_usage, _bool(body, "return_token_ids", False))
+
+
+# -- responses -----------------------------------------------------------------------------
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return _FINISH[out.finish_reason] if out.finish_reason is not None else None
+
+
+def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
+    prompt = job.num_prompt_tokens
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _choice(job: Job, index: int, out: RequestOutput, text: str, final: bool) -> dict:
+    reason = finish_reason(out) if final else None
+    choice: dict = {"index": index, "logprobs": None, "finish_reason": reason,
+                    "stop_reason": None, "seed": out.seed}
+    if job.kind == "chat":
+        choice["delta" if job.stream else "message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if job.return_token_ids:
+        choice["token_ids"] = list(out.token_ids)
+        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+    return choice
+
+
+def _object(job: Job, chunk: bool) -> str:
+    if job.kind == "chat":
+        return "chat.completion.chunk" if chunk else "chat.completion"
+    return "text_completion"
+
+
+def response(job: Job, outputs: Sequence[RequestOutput]) -> dict:
+    """The whole non-streamed answer, once every choice has finished."""
+    return {"id": job.response_id, "object": _object(job, False), "created": job.created,
+            "model": job.model,
+            "choices": [_choice(job, i, o, o.text, True) for i, o in enumerate(outputs)],
+            "usage": usage(job, outputs)}
+
+
+def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool) -> dict:
+    """One stream event of one choice: its new text since the last event (possibly "" when a
+    token ends inside a UTF-8 character). A chat stream's first delta names the role."""
+    choice = _choice(job, index, out, delta, out.finished)
+    if job.kind == "chat":
+        choice["delta"] = ({"role": "assistant", "content": delta} if first
+                           else {"content": delta})
+        if out.finished and not delta and not first:
+            choice["delta"] = {}
+    if not job.return_token_ids:
+        choice.pop("token_ids", None)
+    return {"id": job.response_id, "object": _object(job, True), "created": job.created,
+            "model": job.model, "choices": [choice]}
+
+
+def usage_chunk(job: Job, outputs: Sequence[RequestOutput]) -> dict:
+    return {"id": job.response_id, "object": _object(job, True), "created": job.created,
+            "model": job.model, "choices": [], "usage": usage(job, outputs)}

@@ -1,0 +1,185 @@
+"""The engine thread: the only code that touches the engine. HTTP handlers reach it through a
+queue of commands; each engine step's outputs go back to the event loop in one call.
+
+  event loop                              engine thread
+  submit(requests, sink) ── inbox ──►     engine.submit(...)           (between steps)
+                                          engine.step()
+  sink(outputs of this step) ◄── one call_soon_threadsafe per step
+  abort(ids) ── inbox ──►                 engine.abort(id): its pages are freed
+
+XLA runs outside the GIL, so the event loop keeps answering while a step runs on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+from infer.engine.engine import Engine
+from infer.engine.request import Request, RequestOutput
+from infer.parallel.replicas import ReplicatedEngine
+from infer.serve.metrics import ServerMetrics
+
+log = logging.getLogger("infer")
+
+Sink = Callable[[list[RequestOutput]], None]  # called on the event loop's thread
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    requests: Sequence[Request]
+    sink: Sink
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    request_ids: Sequence[str]
+
+
+class EngineDied(RuntimeError):
+    """The engine thread stopped on an error: every request in flight gets this."""
+
+
+class EngineWorker:
+    """Owns `engine` on its own thread: warms it up, then steps it while it has work and
+    blocks on its inbox while it has none."""
+
+    def __init__(self, engine: Engine | ReplicatedEngine, metrics: ServerMetrics,
+                 warmup: bool = True) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.warmup = warmup
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._sinks: dict[str, Sink] = {}  # live request id -> where its outputs go
+        self._stopping = False
+
+    @property
+    def replicas(self) -> list[Engine]:
+        return (self.engine.replicas if isinstance(self.engine, ReplicatedEngine)
+                else [self.engine])
+
+    # -- the event loop's side ----------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, requests: Sequence[Request], sink: Sink) -> None:
+        if self.error is not None:
+            raise EngineDied(f"the engine stopped: {self.error!r}")
+        self._inbox.put(_Submit(list(requests), sink))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._inbox.put(_Abort(list(request_ids)))
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.warmup:
+                start = time.perf_counter()
+                programs = self.engine.warmup()
+                log.info("warm-up: %d programs in %.1f s", programs,
+                         time.perf_counter() - start)
+            self.metrics.warmed_up()
+            self.ready.set()
+            while not self._stopping:
+                self._take_commands(block=not self.engine.has_unfinished())
+                self.metrics.engine_state(self.replicas)  # aborts change it without a step
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: B902 - every waiting client must hear of it
+            log.exception("the engine thread stopped")
+            self.error = e
+            self._fail_all(e)
+        finally:
+            for replica in self.replicas:  # a stopped server frees every request's pages
+                for request_id in list(replica.scheduler.seqs):
+                    replica.abort(request_id)
+
+    def _take_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if command is None:
+                self._stopping = True
+                return
+            if isinstance(command, _Submit):
+                self._submit(command)
+            else:
+                for request_id in command.request_ids:
+                    if self._sinks.pop(request_id, None) is not None:
+                        out = self.engine.abort(request_id)
+                        if out is not None:
+                            self.metrics.finished(out)
+
+    def _submit(self, command: _Submit) -> None:
+        taken: list[str] = []
+        try:
+            for request in command.requests:
+                self.engine.submit(request)
+                taken.append(request.request_id)
+        except ValueError as e:  # a duplicate id: undo the job's other choices
+            for request_id in taken:
+                self.engine.abort(request_id)
+            self._deliver(command.sink, e)
+            return
+        for request_id in taken:
+            self._sinks[request_id] = command.sink
+
+    def _step(self) -> None:
+        since = [r.num_steps for r in self.replicas]
+        outputs = self.engine.step()
+        for replica, first in zip(self.replicas, since):
+            self.metrics.steps(replica.step_records(first))
+        self.metrics.engine_state(self.replicas)
+        by_sink: dict[int, tuple[Sink, list[RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+                self.metrics.finished(out)
+            by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+        if by_sink:
+            self._loop.call_soon_threadsafe(_deliver_all, list(by_sink.values()))
+
+    def _deliver(self, sink: Sink, item: list[RequestOutput] | BaseException) -> None:
+        self._loop.call_soon_threadsafe(_deliver_all, [(sink, item)])
+
+    def _fail_all(self, error: BaseException) -> None:
+        sinks = {id(s): s for s in self._sinks.values()}
+        self._sinks.clear()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(
+                _deliver_all, [(s, EngineDied(f"the engine stopped: {error!r}"))
+                               for s in sinks.values()])
+
+
+def _deliver_all(items: list[tuple[Sink, list[RequestOutput] | BaseException]]) -> None:
+    for sink, outputs in items:
+        sink(outputs)

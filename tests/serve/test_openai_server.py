@@ -1,0 +1,336 @@
+"""The server through the real `openai` client (and raw HTTP where clients send raw payloads):
+outputs equal the LLM's, streams equal whole answers, seeds reproduce under load, bad input is
+a 400 that leaves the server healthy, disconnects free their requests, metrics add up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from infer import SamplingParams
+
+openai = pytest.importorskip("openai")
+parser = pytest.importorskip("prometheus_client.parser")
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n", "Once upon a time, in a land"]
+
+
+def metrics(running) -> dict[str, float]:
+    """Every sample of /metrics by name and labels, e.g. 'vllm:num_requests_running'."""
+    text = httpx.get(f"{running.url}/metrics", timeout=30).text
+    out = {}
+    for family in parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            extra = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
+            key = s.name + (json.dumps(extra, sort_keys=True) if extra else "")
+            out[key] = s.value
+    return out
+
+
+def test_models_and_health(running) -> None:
+    models = running.client().models.list().data
+    assert [m.id for m in models] == ["smollm2-4l"]
+    assert models[0].model_extra["max_model_len"] == 128
+    assert models[0].model_extra["root"] == "smollm2-135m[:4]"
+    assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
+
+
+def test_greedy_completion_equals_llm_generate(running) -> None:
+    client = running.client()
+    expected = running.llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    got = client.completions.create(model="smollm2-4l", prompt=PROMPTS, temperature=0,
+                                    max_tokens=12, extra_body={"return_token_ids": True})
+    assert got.id.startswith("cmpl-") and got.object == "text_completion"
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for choice, want in zip(got.choices, expected):
+        assert choice.text == want.text
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.finish_reason == ("length" if len(want.token_ids) == 12 else "stop")
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in expected)
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in expected)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_openai_defaults_are_16_tokens_at_temperature_1(running) -> None:
+    got = running.client().completions.create(model="smollm2-4l", prompt=PROMPTS[2],
+                                              extra_body={"ignore_eos": True, "seed": 5})
+    assert got.usage.completion_tokens == 16
+    # temperature 1.0 (not infer's greedy default): seed 5 gives seed 5's draw
+    want = running.llm.generate(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=16,
+                                                           seed=5, ignore_eos=True))[0]
+    assert got.choices[0].text == want.text
+
+
+def test_stream_equals_whole_answer_and_ends_with_usage(running) -> None:
+    client = running.client()
+    whole = client.completions.create(model="smollm2-4l", prompt=PROMPTS[0], temperature=0,
+                                      max_tokens=14, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        model="smollm2-4l", prompt=PROMPTS[0], temperature=0, max_tokens=14, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    content, usage = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert usage.choices == [] and usage.usage.completion_tokens == 14
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len(content) > 1  # one event per step, not one at the end
+
+
+def test_chat_equals_llm_chat_plain_streamed_and_as_parts(running) -> None:
+    client = running.client()
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Name a planet."}]
+    want = running.llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0]
+    got = client.chat.completions.create(model="smollm2-4l", messages=messages, temperature=0,
+                                         max_tokens=10)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a "},
+                                                       {"type": "text", "text": "planet."}]}]
+    chunks = list(client.chat.completions.create(model="smollm2-4l", messages=parts,
+                                                 temperature=0, max_completion_tokens=10,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+def test_stop_string_is_cut_and_never_half_streamed(running) -> None:
+    client = running.client()
+    free = running.llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24,
+                                                           ignore_eos=True))[0].text
+    words = [w for w in free.split() if len(w) >= 3 and free.find(w) > 0]
+    assert words, free
+    stop = words[len(words) // 2]
+    cut = free[:free.find(stop)]
+    got = client.completions.create(model="smollm2-4l", prompt=PROMPTS[1], temperature=0,
+                                    max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    streamed = ""
+    for c in client.completions.create(model="smollm2-4l", prompt=PROMPTS[1], temperature=0,
+                                       max_tokens=24, stop=stop, stream=True,
+                                       extra_body={"ignore_eos": True}):
+        streamed += c.choices[0].text
+        assert streamed == cut[:len(streamed)]  # never a character past the cut
+    assert streamed == cut
+
+
+def test_seeds_reproduce_while_other_requests_run(running) -> None:
+    client = running.client()
+
+    def sampled(seed=None, prompt=PROMPTS[2]) -> str:
+        extra = {"ignore_eos": True} | ({"seed": seed} if seed is not None else {})
+        return client.completions.create(model="smollm2-4l", prompt=prompt, temperature=1.5,
+                                         max_tokens=16, extra_body=extra).choices[0].text
+
+    alone = sampled(seed=11)
+    assert sampled(seed=11) == alone
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(sampled, seed=s, prompt=PROMPTS[s % 2]) for s in range(4)]
+        busy = pool.submit(sampled, seed=11)
+        assert busy.result() == alone
+        [o.result() for o in others]
+    assert sampled() != sampled()  # unseeded requests draw fresh seeds
+
+
+def test_n_choices_draw_with_seed_plus_i(running) -> None:
+    client = running.client()
+    got = client.completions.create(model="smollm2-4l", prompt=PROMPTS[0], temperature=1.2,
+                                    max_tokens=10, n=3, seed=40,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for i, choice in enumerate(got.choices):
+        alone = client.completions.create(model="smollm2-4l", prompt=PROMPTS[0],
+                                          temperature=1.2, max_tokens=10, seed=40 + i,
+                                          extra_body={"ignore_eos": True})
+        assert choice.text == alone.choices[0].text
+    assert len({c.text for c in got.choices}) > 1
+    single = client.completions.create(model="smollm2-4l", prompt=PROMPTS[0], max_tokens=10,
+                                       extra_body={"ignore_eos": True})
+    assert got.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert got.usage.completion_tokens == 30
+
+
+BAD = [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=1000), "max_tokens"),
+    (dict(n=0), "n"), (dict(n=99), "n"), (dict(best_of=3), "best_of"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(frequency_penalty=1.0), "frequency_penalty"),
+    (dict(repetition_penalty=1.2), "repetition_penalty"), (dict(logit_bias={"5": 3}), "logit_bias"),
+    (dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"), (dict(suffix="x"), "suffix"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(seed=-3), "seed"), (dict(seed="7"), "seed"), (dict(top_k=1.5), "top_k"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(prompt=""), "prompt"), (dict(prompt=[]), "prompt"), (dict(prompt=[49152]), "prompt"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(response_format={"type": "json_object"}),
+                                             "response_format"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_requests_are_400_with_the_field(running, fields, param) -> None:
+    body = {"model": "smollm2-4l", "prompt": PROMPTS[0], "max_tokens": 4} | fields
+    r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert error["param"] == param, error
+    assert httpx.get(f"{running.url}/health").status_code == 200
+
+
+def test_errors_through_the_client_and_raw(running) -> None:
+    client = running.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-4l", temperature=-1,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-4l", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}])
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    url = f"{running.url}/v1/completions"
+    assert httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}
+                      ).status_code == 400
+    assert httpx.post(url, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}
+                      ).status_code == 400
+    assert httpx.post(url, json=[1, 2]).status_code == 400
+    missing = httpx.get(f"{running.url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    assert httpx.get(f"{running.url}/health").status_code == 200
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_accepted(running) -> None:
+    body = {"model": "smollm2-4l", "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+            "some_new_openai_field": {"x": 1}, "presence_penalty": 0, "repetition_penalty": 1.0,
+            "logprobs": None, "best_of": 1, "user": "me"}
+    r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_duplicate_request_ids_are_refused_while_running(running) -> None:
+    url = f"{running.url}/v1/completions"
+    body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "request_id": "mine"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        while metrics(running)["vllm:num_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        second = httpx.post(url, json=body | {"max_tokens": 2}, timeout=60)
+        assert second.status_code == 400 and "mine" in second.json()["error"]["message"]
+        assert first.result().status_code == 200
+        assert first.result().json()["id"] == "mine"
+
+
+def test_a_disconnect_mid_stream_aborts_and_frees_the_pages(running) -> None:
+    engine = running.server.engine
+    free_before = engine.allocator.num_free()
+    before = metrics(running)
+    stream = running.client().completions.create(
+        model="smollm2-4l", prompt=PROMPTS[2], max_tokens=100, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(2), stream):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 60
+    while metrics(running)["vllm:num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "the aborted request still runs"
+        time.sleep(0.05)
+    after = metrics(running)
+    aborted = 'vllm:request_success_total{"finished_reason": "abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 100
+    assert engine.allocator.num_free() == free_before
+    assert not engine.scheduler.seqs
+
+
+def test_eight_concurrent_streams_complete_and_share_steps(running) -> None:
+    engine = running.server.engine
+    first_step = engine.num_steps
+    before = metrics(running)
+
+    def stream(i: int) -> tuple[str, int]:
+        chunks = list(running.client().completions.create(
+            model="smollm2-4l", prompt=PROMPTS[i % 3] + " " * (i // 3), temperature=0,
+            max_tokens=12, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}))
+        return "".join(c.choices[0].text for c in chunks[:-1]), chunks[-1].usage
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(stream, range(8)))
+    want = running.llm.generate([PROMPTS[i % 3] + " " * (i // 3) for i in range(8)],
+                                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [text for text, _ in results] == [w.text for w in want]
+    records = [r for r in engine.step_records() if r.index >= first_step]
+    assert max(r.decode_rows for r in records) > 1  # requests decoded together
+    after = metrics(running)
+    usages = [u for _, u in results]
+    assert (after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+            == sum(u.completion_tokens for u in usages) == 8 * 12)
+    assert (after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+            == sum(u.prompt_tokens for u in usages))
+    done = 'vllm:request_success_total{"finished_reason": "length"}'
+    assert after[done] - before.get(done, 0) == 8
+    assert after["vllm:num_requests_running"] == 0
+    assert after['infer:step_seconds_count{"kind": "decode"}'] > before.get(
+        'infer:step_seconds_count{"kind": "decode"}', 0)
+
+
+def _sse_events(response: httpx.Response) -> list:
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_benchmark_clients_raw_payloads(running) -> None:
+    """What `vllm bench serve` (openai and openai-chat backends) and SGLang's bench_serving
+    send, byte for byte in their fields."""
+    vllm_completion = {"model": "smollm2-4l", "prompt": PROMPTS[0], "repetition_penalty": 1.0,
+                       "max_tokens": 9, "logprobs": None, "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True}, "temperature": 0.0}
+    vllm_chat = {"model": "smollm2-4l", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": PROMPTS[1]}]}], "temperature": 0.0, "max_completion_tokens": 9,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    sglang = {"model": "smollm2-4l", "prompt": PROMPTS[2], "temperature": 0.0, "best_of": 1,
+              "max_tokens": 9, "stream": True, "ignore_eos": True,
+              "stream_options": {"include_usage": True}}
+    for path, body in (("completions", vllm_completion), ("chat/completions", vllm_chat),
+                       ("completions", sglang)):
+        with httpx.stream("POST", f"{running.url}/v1/{path}", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = _sse_events(r)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
+
+
+def test_tokenize_and_detokenize(running) -> None:
+    r = httpx.post(f"{running.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == running.llm.tokenizer.encode(PROMPTS[0])
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
+    back = httpx.post(f"{running.url}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == PROMPTS[0]
+
+
+def test_a_client_that_times_out_aborts_its_whole_request(running) -> None:
+    before = metrics(running)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{running.url}/v1/completions", timeout=1.0, json={
+            "prompt": PROMPTS[0], "max_tokens": 110, "temperature": 0, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    aborted = 'vllm:request_success_total{"finished_reason": "abort"}'
+    while metrics(running).get(aborted, 0) < before.get(aborted, 0) + 1:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    assert metrics(running)["vllm:num_requests_running"] == 0
+    assert not running.server.engine.scheduler.seqs
