@@ -25,7 +25,9 @@ saved one again, to another server.
 
 --servers: `infer` starts `python -m infer.serve` (waits for /health, i.e. warm-up), `llamaserver`
 llama.cpp's `llama-server` on the same GGUF in the same dtype (see experiments/serve.py for the
-build), `url=http://host:port` a server already running. One row per server is appended to
+build), `url=http://host:port` a server already running, and `inprocess` feeds the same schedule
+to the same engine in this process with no HTTP (experiments.serve's loop, latencies from each
+scheduled arrival): the difference is what the HTTP layer costs. One row per server is appended to
 results/bench_serve.jsonl (--out) with vLLM's result keys.
 """
 
@@ -50,8 +52,8 @@ from experiments.llama_server import (ensure_llama_server_gguf, free_port, llama
                                       llama_server_usable, server_process)
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_list("servers", ["infer"], "infer, llamaserver, or url=http://HOST:PORT",
-                  flag_values=FLAGS)
+flags.DEFINE_list("servers", ["infer", "inprocess"], "infer, llamaserver, inprocess (the "
+                  "engine without HTTP), or url=http://HOST:PORT", flag_values=FLAGS)
 flags.DEFINE_string("model", "smollm2-135m", "the model every server serves", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
 flags.DEFINE_integer("num_prompts", 32, "requests", flag_values=FLAGS)
@@ -278,6 +280,24 @@ def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_l
     raise ValueError(f"unknown server {server!r}: infer, llamaserver or url=http://HOST:PORT")
 
 
+def in_process(items: Sequence[Scheduled], model: str, dtype: str, max_num_seqs: int,
+               max_model_len: int, max_prefill_tokens: int) -> tuple[list[Measured], float]:
+    """The same schedule fed straight to the engine in this process (experiments.serve's loop,
+    warmed up first), measured from each request's scheduled arrival: what HTTP costs."""
+    from experiments.serve import WorkItem, serve_infer
+    from infer import LLM
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+              max_prefill_tokens=max_prefill_tokens)
+    llm.engine.warmup(progress=True)
+    work = [WorkItem(i.offset_s, tuple(llm.tokenizer.encode(i.prompt)), i.output_len)
+            for i in items]
+    serve_infer(llm.engine, work[:1], "untimed first request")  # as the HTTP client does
+    metrics, _, start, wall = serve_infer(llm.engine, work, "in process")
+    return [Measured(ok=True, ttft_s=m.ttft_s, latency_s=m.e2e_s, itl_s=list(m.itl_s),
+                     output_tokens=m.num_output_tokens, prompt_tokens=m.num_prompt_tokens,
+                     start_s=start + i.offset_s) for m, i in zip(metrics, items)], wall
+
+
 def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         num_prompts: int = 32, request_rate: float = 4.0, burstiness: float = 1.0,
         max_concurrency: int | None = None, random_input_len: int = 64,
@@ -305,11 +325,16 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
                          random_output_len, random_range_ratio, request_rate, burstiness, seed)
     rows = []
     for server in servers:
-        with launched(server, model, dtype, max_num_seqs, max_model_len, max_prefill_tokens,
-                      llama_server) as (url, served):
-            # One request first, untimed, as vLLM's client sends: connections and lazy setup.
-            asyncio.run(run_schedule(url, served, items[:1], progress=False))
-            results, duration = asyncio.run(run_schedule(url, served, items, max_concurrency))
+        if server == "inprocess":
+            results, duration = in_process(items, model, dtype, max_num_seqs, max_model_len,
+                                           max_prefill_tokens)
+        else:
+            with launched(server, model, dtype, max_num_seqs, max_model_len,
+                          max_prefill_tokens, llama_server) as (url, served):
+                # One request first, untimed, as vLLM's client sends: connections, lazy setup.
+                asyncio.run(run_schedule(url, served, items[:1], progress=False))
+                results, duration = asyncio.run(run_schedule(url, served, items,
+                                                             max_concurrency))
         row = {"server": server, "model": model, "dtype": dtype, "num_prompts": len(items),
                "request_rate": request_rate, "burstiness": burstiness,
                "max_concurrency": max_concurrency, "random_input_len": random_input_len,
