@@ -146,6 +146,13 @@ class Measured:
     text: str = ""
     error: str = ""
 
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2EL - TTFT) / (tokens - 1); None for a request of one token."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
 
 async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
     body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len,
@@ -216,16 +223,14 @@ def summarize(results: Sequence[Measured], duration_s: float, percentiles: Seque
     """vLLM's result keys."""
     ok = [m for m in results if m.ok]
     ttft = [m.ttft_s for m in ok]
-    tpot = [(m.latency_s - m.ttft_s) / (m.output_tokens - 1) for m in ok if m.output_tokens > 1]
+    tpot = [m.tpot_s for m in ok if m.tpot_s is not None]
     itl = [g for m in ok for g in m.itl_s]
     e2el = [m.latency_s for m in ok]
     out_tokens = sum(m.output_tokens for m in ok)
     in_tokens = sum(m.prompt_tokens for m in ok)
 
     def good(m: Measured) -> bool:
-        per = {"ttft": m.ttft_s, "e2el": m.latency_s,
-               "tpot": (m.latency_s - m.ttft_s) / (m.output_tokens - 1)
-               if m.output_tokens > 1 else 0.0}
+        per = {"ttft": m.ttft_s, "e2el": m.latency_s, "tpot": m.tpot_s or 0.0}
         return all(per[k] * 1e3 <= v for k, v in goodput_ms.items())
 
     row: dict[str, Any] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import jax
 
@@ -57,12 +58,16 @@ class CompileCounter:
 
     EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 
-    def __init__(self) -> None:
+    def __init__(self, on_compile: Callable[[], None] | None = None) -> None:
+        """`on_compile` is called at each program too (the server's Prometheus counter)."""
         self.count = 0
+        self._on_compile = on_compile
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
         if event == self.EVENT:
             self.count += 1
+            if self._on_compile is not None:
+                self._on_compile()
 
     def __enter__(self) -> "CompileCounter":
         jax.monitoring.register_event_duration_secs_listener(self._listener)

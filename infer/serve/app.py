@@ -24,7 +24,7 @@ from infer.parallel.replicas import ReplicatedEngine
 from infer.serve import protocol
 from infer.serve.metrics import CONTENT_TYPE, ServerMetrics
 from infer.serve.protocol import ApiError, Job, ServedModel
-from infer.serve.worker import EngineDied, EngineWorker
+from infer.serve.worker import EngineDied, EngineWorker, replicas_of
 
 log = logging.getLogger("infer")
 
@@ -39,7 +39,7 @@ class Server:
     def __init__(self, engine: Engine | ReplicatedEngine, served: ServedModel,
                  warmup: bool = True) -> None:
         if any(r.config.scheduler == "static" and r.config.static_max_wait_s == float("inf")
-               for r in _replicas(engine)):
+               for r in replicas_of(engine)):
             raise ValueError("a server never knows that no more requests will come: the static "
                              "scheduler needs a finite static_max_wait_s")
         self.served = served
@@ -168,7 +168,7 @@ class Server:
         finally:
             disconnect.cancel()
             if not stream.done:
-                self.worker.abort([r.request_id for r in job.requests])
+                self.worker.abort([r.request_id for r in job.requests], stream.put)
         return JSONResponse(protocol.response(job, stream.finals()))
 
     async def _events(self, job: Job, stream: "_JobStream") -> AsyncIterator[str]:
@@ -197,7 +197,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             if not stream.done:
-                self.worker.abort([r.request_id for r in job.requests])
+                self.worker.abort([r.request_id for r in job.requests], stream.put)
 
 
 class _JobStream:
@@ -208,22 +208,24 @@ class _JobStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._final: dict[int, RequestOutput] = {}
         self._started: set[int] = set()
-        self.failed = False
+        self.failed = False  # an error was read: none of the job's requests runs any more
 
     def put(self, item: list[RequestOutput] | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.failed = True
-        else:
+        if not isinstance(item, BaseException):
             for out in item:
                 if out.finished:
                     self._final[self.index[out.request_id]] = out
         self._queue.put_nowait(item)
 
     async def next(self) -> list[RequestOutput] | BaseException:
-        return await self._queue.get()
+        item = await self._queue.get()
+        self.failed |= isinstance(item, BaseException)
+        return item
 
     @property
     def done(self) -> bool:
+        """Every choice's final output, or an error, has been read. (An error counted when it
+        arrived, not when read, ended a stream that failed mid-way as if it were whole.)"""
         return self.failed or len(self._final) == len(self.index) and self._queue.empty()
 
     def finals(self) -> list[RequestOutput]:
@@ -240,10 +242,6 @@ class _JobStream:
             raise ApiError(400, str(item), "request_id")
         if isinstance(item, BaseException):
             raise ApiError(500, str(item))
-
-
-def _replicas(engine: Engine | ReplicatedEngine) -> list[Engine]:
-    return engine.replicas if isinstance(engine, ReplicatedEngine) else [engine]
 
 
 def _sse(payload: dict) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from infer.engine.engine import Engine
@@ -67,22 +66,21 @@ class ServerMetrics:
         self.slot_utilization = make(Gauge, "infer:slot_utilization",
                                      "running requests / max_num_seqs after the latest step")
         self._warm = False
+        self._compile_counter = CompileCounter(on_compile=self._compiled)
 
     # -- compilations --------------------------------------------------------------------------
 
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event == CompileCounter.EVENT:
-            self.compiles.inc()
-            if self._warm:
-                self.compiles_after_warmup.inc()
+    def _compiled(self) -> None:
+        self.compiles.inc()
+        if self._warm:
+            self.compiles_after_warmup.inc()
 
     def __enter__(self) -> "ServerMetrics":
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self._compile_counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        from jax._src import monitoring
-        monitoring.unregister_event_duration_listener(self._on_event)
+        self._compile_counter.__exit__(*exc)
 
     def warmed_up(self) -> None:
         self._warm = True
@@ -93,9 +91,7 @@ class ServerMetrics:
         m = out.metrics
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_output_tokens)
-        reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                  FinishReason.ABORT: "abort"}[out.finish_reason]
-        self.success.labels(**self._labels, finished_reason=reason).inc()
+        self.success.labels(**self._labels, finished_reason=out.finish_reason.value).inc()
         self.preemptions.inc(m.num_preemptions)
         self.prefix_queries.inc(m.num_prompt_tokens)
         self.prefix_hits.inc(m.num_cached_tokens)

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Callable, Mapping, Sequence
 
-from infer.engine.request import FinishReason, Request, RequestOutput
+from infer.engine.request import Request, RequestOutput
 from infer.io.tokenizer import Tokenizer
 from infer.sampling_params import SamplingParams, is_integer
 
@@ -97,7 +97,7 @@ _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
 
 
 class _UnknownFields:
-    """Logs each unknown field name once per server, then ignores it."""
+    """Logs each unknown field name once per process, then ignores it."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
@@ -355,13 +355,6 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
 
 # -- responses -----------------------------------------------------------------------------
 
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
-
-
-def finish_reason(out: RequestOutput) -> str | None:
-    return _FINISH[out.finish_reason] if out.finish_reason is not None else None
-
-
 def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     prompt = job.num_prompt_tokens
     completion = sum(len(o.token_ids) for o in outputs)
@@ -371,14 +364,12 @@ def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _choice(job: Job, index: int, out: RequestOutput, text: str, final: bool) -> dict:
-    reason = finish_reason(out) if final else None
-    choice: dict = {"index": index, "logprobs": None, "finish_reason": reason,
+def _choice(job: Job, index: int, out: RequestOutput) -> dict:
+    """A choice's fields other than its text; the finish reason once it has finished (a
+    FinishReason's value is OpenAI's string)."""
+    choice: dict = {"index": index, "logprobs": None,
+                    "finish_reason": out.finish_reason.value if out.finished else None,
                     "stop_reason": None, "seed": out.seed}
-    if job.kind == "chat":
-        choice["delta" if job.stream else "message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
     if job.return_token_ids:
         choice["token_ids"] = list(out.token_ids)
         choice["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -395,21 +386,21 @@ def response(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     """The whole non-streamed answer, once every choice has finished."""
     return {"id": job.response_id, "object": _object(job, False), "created": job.created,
             "model": job.model,
-            "choices": [_choice(job, i, o, o.text, True) for i, o in enumerate(outputs)],
+            "choices": [_choice(job, i, o) | ({"message": {"role": "assistant", "content": o.text}}
+                                              if job.kind == "chat" else {"text": o.text})
+                        for i, o in enumerate(outputs)],
             "usage": usage(job, outputs)}
 
 
 def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool) -> dict:
     """One stream event of one choice: its new text since the last event (possibly "" when a
     token ends inside a UTF-8 character). A chat stream's first delta names the role."""
-    choice = _choice(job, index, out, delta, out.finished)
+    choice = _choice(job, index, out)
     if job.kind == "chat":
         choice["delta"] = ({"role": "assistant", "content": delta} if first
-                           else {"content": delta})
-        if out.finished and not delta and not first:
-            choice["delta"] = {}
-    if not job.return_token_ids:
-        choice.pop("token_ids", None)
+                           else {"content": delta} if delta or not out.finished else {})
+    else:
+        choice["text"] = delta
     return {"id": job.response_id, "object": _object(job, True), "created": job.created,
             "model": job.model, "choices": [choice]}
 

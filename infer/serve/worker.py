@@ -39,6 +39,12 @@ class _Submit:
 @dataclasses.dataclass(frozen=True)
 class _Abort:
     request_ids: Sequence[str]
+    sink: Sink  # only requests delivering to it are aborted: an id may be another job's
+
+
+def replicas_of(engine: Engine | ReplicatedEngine) -> list[Engine]:
+    """The engines doing the work: a data-parallel front's replicas, or the engine itself."""
+    return engine.replicas if isinstance(engine, ReplicatedEngine) else [engine]
 
 
 class EngineDied(RuntimeError):
@@ -61,11 +67,7 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._sinks: dict[str, Sink] = {}  # live request id -> where its outputs go
         self._stopping = False
-
-    @property
-    def replicas(self) -> list[Engine]:
-        return (self.engine.replicas if isinstance(self.engine, ReplicatedEngine)
-                else [self.engine])
+        self.replicas = replicas_of(engine)
 
     # -- the event loop's side ----------------------------------------------------------------
 
@@ -80,17 +82,15 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
-
     def submit(self, requests: Sequence[Request], sink: Sink) -> None:
         if self.error is not None:
             raise EngineDied(f"the engine stopped: {self.error!r}")
         self._inbox.put(_Submit(list(requests), sink))
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        self._inbox.put(_Abort(list(request_ids)))
+    def abort(self, request_ids: Sequence[str], sink: Sink) -> None:
+        """Aborts those of `request_ids` that deliver to `sink`: a job refused for a duplicate
+        id never aborts the request that holds the id."""
+        self._inbox.put(_Abort(list(request_ids), sink))
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -105,7 +105,6 @@ class EngineWorker:
             self.ready.set()
             while not self._stopping:
                 self._take_commands(block=not self.engine.has_unfinished())
-                self.metrics.engine_state(self.replicas)  # aborts change it without a step
                 if self.engine.has_unfinished():
                     self._step()
         except BaseException as e:  # noqa: B902 - every waiting client must hear of it
@@ -131,10 +130,12 @@ class EngineWorker:
                 self._submit(command)
             else:
                 for request_id in command.request_ids:
-                    if self._sinks.pop(request_id, None) is not None:
+                    if self._sinks.get(request_id) == command.sink:  # bound methods: ==
+                        del self._sinks[request_id]
                         out = self.engine.abort(request_id)
                         if out is not None:
                             self.metrics.finished(out)
+                self.metrics.engine_state(self.replicas)  # an abort frees without a step
 
     def _submit(self, command: _Submit) -> None:
         taken: list[str] = []

@@ -72,3 +72,63 @@ def test_a_data_parallel_server_gives_one_engines_tokens(smollm2_4_layers) -> No
     finally:
         http.should_exit = True
         thread.join(30)
+
+
+def test_an_engine_that_fails_mid_stream_ends_the_stream_with_an_error(smollm2_4_layers) -> None:
+    """The engine thread dies after a few steps: the stream already open gets an error event
+    and [DONE] (not a usage chunk for choices that never finished), /health turns 503."""
+    import json
+
+    http, thread, running = start_server(smollm2_4_layers, max_num_seqs=2, max_model_len=64,
+                                         max_prefill_tokens=16)
+    engine = running.server.engine
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 4:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    try:
+        with httpx.stream("POST", f"{running.url}/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        payloads = [json.loads(e) for e in events[:-1]]
+        assert "device lost" in payloads[-1]["error"]["message"]
+        assert all(p.get("choices") for p in payloads[:-1])  # tokens, then the error: no usage
+        assert len(payloads) > 1
+        assert httpx.get(f"{running.url}/health").status_code == 503
+    finally:
+        http.should_exit = True
+        thread.join(30)
+
+
+def test_a_job_stream_ends_when_its_error_is_read_not_when_it_arrives() -> None:
+    """Tokens and then an error can arrive before the stream's reader wakes: the reader must
+    still see the tokens, then the error, and only then is the stream done."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.serve.app import _JobStream
+    from infer.serve.protocol import Job
+
+    job = Job("completion", "cmpl-x", "m", 0, [SimpleNamespace(request_id="cmpl-x-0.0")], 1,
+              True, False, False)
+    stream = _JobStream(job)
+    tokens = [SimpleNamespace(request_id="cmpl-x-0.0", finished=False)]
+    stream.put(tokens)
+    stream.put(RuntimeError("device lost"))
+    assert not stream.done
+
+    async def read() -> list:
+        seen = []
+        while not stream.done:
+            seen.append(await stream.next())
+        return seen
+
+    first, error = asyncio.run(read())
+    assert first is tokens and isinstance(error, RuntimeError) and stream.done
