@@ -31,25 +31,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per-row sampling parameters on device."""
+    """Per-row sampling parameters on device.
+
+    Two parts change the program rather than its inputs, so that a batch asking for neither
+    compiles and runs exactly as if they did not exist: `allowed`, a structured-output bitmask
+    (None: no row is constrained, and the program has no mask), and `num_logprobs` (static: 0,
+    or the MAX_LOGPROBS top logprobs a step then also returns)."""
 
     temperature: jax.Array  # [B] float32, 0 = greedy
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
     seeds: jax.Array  # [B] uint32
+    # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t may be sampled.
+    allowed: jax.Array | None = None
+    num_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @staticmethod
-    def from_params(params: Sequence[SamplingParams], batch: int | None = None) -> "SamplingArrays":
+    def from_params(params: Sequence[SamplingParams], batch: int | None = None,
+                    allowed: np.ndarray | None = None) -> "SamplingArrays":
         """Rows for `params`, padded with greedy rows up to `batch`. Every seed must be concrete:
         resolve unseeded params first (`SamplingParams.with_resolved_seed`), once per request,
-        so its draws stay one stream across steps."""
+        so its draws stay one stream across steps. `allowed`: the rows' bitmask [batch, words]
+        when some row is constrained (an unconstrained row's is all ones)."""
         batch = len(params) if batch is None else batch
+        if allowed is not None and (allowed.dtype != np.int32 or allowed.ndim != 2
+                                    or allowed.shape[0] != batch):
+            raise ValueError(f"allowed must be an int32 bitmask [{batch}, words], got "
+                             f"{allowed.dtype} {allowed.shape}")
         if len(params) > batch:
             raise ValueError(f"{len(params)} sampling params for a batch of {batch}")
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
@@ -63,7 +77,38 @@ class SamplingArrays:
             top_k=jnp.asarray([p.top_k for p in rows], jnp.int32),
             top_p=jnp.asarray([p.top_p for p in rows], jnp.float32),
             seeds=jnp.asarray(np.asarray([p.seed for p in rows], np.uint32)),
+            allowed=None if allowed is None else jax.device_put(allowed),
+            num_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
         )
+
+
+def constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Logits [B, V] with every token outside its row's bitmask [B, ceil(V/32)] at -inf."""
+    bits = jnp.arange(32, dtype=jnp.int32)
+    unpacked = (jax.lax.shift_right_logical(allowed[:, :, None], bits[None, None, :]) & 1) > 0
+    keep = unpacked.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleLogprobs:
+    """Per row, under the model's raw distribution log_softmax(logits): the sampled token's
+    logprob and rank (1 = the most likely), and the `num_logprobs` most likely tokens."""
+
+    logprob: jax.Array  # [B] float32
+    rank: jax.Array  # [B] int32
+    top_ids: jax.Array  # [B, K] int32, most likely first
+    top_logprobs: jax.Array  # [B, K] float32
+
+
+def sample_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> SampleLogprobs:
+    """The logprobs of `tokens` [B] drawn from `logits` [B, V], and the top `num_logprobs`."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logp, num_logprobs)
+    return SampleLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
@@ -94,6 +139,9 @@ def _truncate(scaled: jax.Array, sampling: SamplingArrays) -> jax.Array:
 def sampling_probs(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """Each row's sampling distribution, softmax(warp_logits), for logits [B, V] or [B, T, V]
     (every position of a row warped with the row's parameters): a verifier's target p."""
+    if sampling.allowed is not None:
+        raise ValueError("a structured-output mask holds for one position, not for the drafts "
+                         "a verifier scores: constrained rows decode without speculation")
     if logits.ndim == 2:
         return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
     b, t, v = logits.shape
@@ -109,7 +157,10 @@ def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_prob
     else None.
 
     Without `with_probs`, a batch whose rows are all greedy skips the warp and the draw at run
-    time (`lax.cond`): this is the timed decode step's sampler, and greedy is its common case."""
+    time (`lax.cond`): this is the timed decode step's sampler, and greedy is its common case.
+    With a bitmask (`sampling.allowed`), every row draws among its allowed tokens only."""
+    if sampling.allowed is not None:
+        logits = constrain(logits, sampling.allowed)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -5,6 +5,7 @@ device's per-row arrays)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import secrets
@@ -32,6 +33,51 @@ def _as_tuple(x: object, field: str) -> tuple:
     except TypeError:
         raise ValueError(f"invalid SamplingParams: {field} must be a sequence, got {x!r}") from None
 
+# The most top logprobs a request may ask for per token (vLLM's --max-logprobs default): the
+# compiled logprobs variant always computes this many, each row keeps its own k.
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """One constraint on a request's output (vLLM's `structured_outputs`): exactly one of a JSON
+    schema, any JSON object, a regular expression (the whole output matches it), a choice
+    among strings, or a grammar (llguidance's Lark dialect, or GBNF). Compiled by
+    `infer.structured`; a schema given as a dict is kept as its JSON text, so params hash."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _as_tuple(self.choice, "choice"))
+        problems = []
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if not isinstance(self.json_object, (bool, np.bool_)):
+            problems.append(f"json_object must be a bool, got {self.json_object!r}")
+        elif self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            problems.append(f"exactly one of json, json_object, regex, choice and grammar must "
+                            f"be given, got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                problems.append(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and not (self.choice and all(
+                isinstance(c, str) and c for c in self.choice)):
+            problems.append(f"choice must be non-empty strings, at least one, got {self.choice!r}")
+        if problems:
+            raise ValueError("invalid StructuredOutput: " + "; ".join(problems))
+        object.__setattr__(self, "json_object", bool(self.json_object))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """vLLM-style sampling parameters. temperature 0 is greedy; top_k 0 and top_p 1 disable them.
@@ -50,6 +96,11 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Report each output token's logprob (the model's raw distribution, before temperature,
+    # top-k/top-p and any structured-output mask, as vLLM does) and this many top
+    # alternatives: 0 for the chosen token's alone, None for none.
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,11 +126,20 @@ class SamplingParams:
             problems.append(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not (self.logprobs is None or (is_integer(self.logprobs)
+                                          and 0 <= self.logprobs <= MAX_LOGPROBS)):
+            problems.append(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                            f"got {self.logprobs!r}")
+        if not (self.structured is None or isinstance(self.structured, StructuredOutput)):
+            problems.append(f"structured must be a StructuredOutput or None, got "
+                            f"{self.structured!r}")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
         # Plain Python values, so params hash, compare and serialize alike however they were
         # spelled (np.int64(5) == 5, but json.dumps rejects it).
-        for name in ("top_k", "max_tokens") + (("seed",) if self.seed is not None else ()):
+        ints = ("top_k", "max_tokens") + tuple(
+            name for name in ("seed", "logprobs") if getattr(self, name) is not None)
+        for name in ints:
             object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
@@ -89,6 +149,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_steps_only(self) -> bool:
+        """Its tokens come from plain (prefill, decode, mixed) steps only, one at a time: a
+        structured-output mask and logprobs exist there, not in speculative verification."""
+        return self.logprobs is not None or self.structured is not None
 
     def with_resolved_seed(self) -> "SamplingParams":
         """These params with a concrete seed: itself when seeded, else a copy with a fresh

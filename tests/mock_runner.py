@@ -61,10 +61,10 @@ class PageReadingRunner:
         and its token appended (its `after` feed is that token, `last_token_id`)."""
         assert plan.ahead == (after is not None)
         if not plan.ahead:
-            return InFlight(plan, lambda: self.execute(plan))
+            return InFlight(plan, lambda: (self.execute(plan), None))
         # What the device would be given now: each row's pages and the slot it writes.
         targets = [(list(s.pages.pages), s.num_computed + 1) for s in plan.decode]
-        return InFlight(plan, lambda: self.execute(plan, targets))
+        return InFlight(plan, lambda: (self.execute(plan, targets), None))
 
     def execute(self, plan: StepPlan,
                 ahead_targets: list[tuple[list[int], int]] | None = None) -> list[list[int]]:

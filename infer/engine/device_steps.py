@@ -27,7 +27,7 @@ from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.model.binding import Binding, binding
 from infer.model.llama import CacheT, Llama
 from infer.model.sharding import replicate
-from infer.sampling import SamplingArrays, sample
+from infer.sampling import SampleLogprobs, SamplingArrays, sample, sample_logprobs
 from infer.spec.verify import verify_chain
 
 
@@ -57,14 +57,21 @@ class DeviceSteps:
         self.params: list[jax.Array] = self.binding.params
         bind = self.binding.bind
 
+        def sampled(logits, sampling, sample_index):
+            tokens = sample(logits, sampling, sample_index)
+            logprobs = None
+            if sampling.num_logprobs:  # static: only the logprobs variant computes them
+                logprobs = sample_logprobs(logits, tokens, sampling.num_logprobs)
+            return replicate((tokens, logprobs))
+
         def prefill(params, cache, tokens, meta, sampling, sample_index):
             model = bind(params)
             if tokens.ndim == 1:  # one token per row, as a step samples them: [B] -> [B, 1]
                 tokens = tokens[:, None]
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
             logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
-            logits = logits[:, 0]
-            return replicate(sample(logits, sampling, sample_index)), logits, hidden, cache
+            tokens, logprobs = sampled(logits[:, 0], sampling, sample_index)
+            return tokens, logprobs, hidden, cache
 
         def decode(params, cache, state):
             model = bind(params)
@@ -88,7 +95,8 @@ class DeviceSteps:
 
         def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
             logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
-            return replicate(sample(logits[0], sampling, sample_index)), cache
+            tokens, logprobs = sampled(logits[0], sampling, sample_index)
+            return tokens, logprobs, cache
 
         jit = lambda fn: self._under_mesh(jax.jit(fn, donate_argnums=1))
         self._mixed = jit(mixed)
@@ -136,23 +144,25 @@ class DeviceSteps:
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      sampling: SamplingArrays, sample_index: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+                     ) -> tuple[jax.Array, SampleLogprobs | None, jax.Array, CacheT]:
         """Runs rows of new tokens [B, T] (padded past meta.q_lens) through the model, writing
         their KV, and samples one token after each row's last valid token. One token per row
         may come as [B], the shape of the tokens it returns: a decode step fed the previous
         step's tokens without their leaving the device.
 
-        Returns (next tokens [B], logits at each row's last valid token [B, V], final hidden
-        states at every position [B, T, E] (an EAGLE head's features), cache).
+        Returns (next tokens [B], their logprobs when `sampling.num_logprobs` asks (else
+        None), final hidden states at every position [B, T, E] (an EAGLE head's features),
+        cache).
         """
         return self._prefill(self.params, cache, tokens, meta, sampling, sample_index)
 
     def mixed_step(self, cache: CacheT, tokens: jax.Array, meta: MixedMetadata,
                    logit_index: jax.Array, sampling: SamplingArrays, sample_index: jax.Array
-                   ) -> tuple[jax.Array, CacheT]:
+                   ) -> tuple[jax.Array, SampleLogprobs | None, CacheT]:
         """One forward over a mixed step's packed tokens [1, N] (a prefill chunk and decode rows,
         `MixedMetadata`), sampling a token at each of `logit_index` [1, R]'s positions: each
-        row's last valid token. Returns (tokens [R], cache)."""
+        row's last valid token. Returns (tokens [R], their logprobs or None as prefill_step's,
+        cache)."""
         return self._mixed(self.params, cache, tokens, meta, logit_index, sampling, sample_index)
 
     def lower_mixed(self, cache: CacheT, tokens: jax.Array, meta: MixedMetadata,

@@ -34,6 +34,7 @@ from infer.io.tokenizer import Tokenizer
 from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig, make_proposer
+from infer.structured import GrammarCompiler
 from kernels_pallas.kv_quant import resolve_kv_format
 
 Callback = Callable[[RequestOutput], None]
@@ -128,6 +129,7 @@ class Engine:
         self._callbacks: dict[str, Callback] = {}
         self._next_id = 0
         self._in_flight: InFlight | None = None  # a step dispatched ahead (async_scheduling)
+        self._grammar_compiler: GrammarCompiler | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -147,12 +149,24 @@ class Engine:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = validate_request(prompt_token_ids, params, self.limits)
+        constraint = None
+        if params.structured is not None:
+            constraint = self._grammars().constraint(params.structured)
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
-                       prompt=prompt, arrival_s=arrival_s, validated=self.limits)
+                       prompt=prompt, arrival_s=arrival_s, validated=self.limits,
+                       constraint=constraint)
+
+    def _grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer, built on first use."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the engine's tokenizer")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     def submit(self, request: Request, callback: Callback | None = None) -> str:
         """Queues a request from `make_request` (one made otherwise is validated by the
@@ -218,7 +232,7 @@ class Engine:
         scheduled = time.perf_counter() - start - times.inputs_s - times.device_s
         sampled = pending.result()
         executed = time.perf_counter()
-        advanced = self.scheduler.postprocess(plan, sampled)
+        advanced = self.scheduler.postprocess(plan, sampled, logprobs=pending.logprobs())
         outputs = [seq.request.output() for seq in advanced]
         for out in outputs:
             self._notify(out)

@@ -13,7 +13,7 @@ import enum
 from typing import TYPE_CHECKING, Callable
 
 from infer.cache.page_allocator import SequencePages
-from infer.engine.request import Request
+from infer.engine.request import Request, TokenLogprob
 
 if TYPE_CHECKING:
     import jax
@@ -97,29 +97,42 @@ class StepPlan:
     ahead: bool = False
 
 
+# Per prefill chunk, then per decode row: the tokens a step emitted, and their logprobs (None
+# for a row that asked for none), or None for the whole step when no row asked.
+Emitted = list[list[int]]
+EmittedLogprobs = list[list[TokenLogprob | None]] | None
+
+
 class InFlight:
     """A dispatched step: its plan, and its tokens once the device has them (`result` blocks).
 
     `feed` is the step's sampled tokens [rows] still on the device: the input of a decode step
     over the same rows planned before these tokens reach the host (`Scheduler.plan_ahead`)."""
 
-    def __init__(self, plan: StepPlan, collect: Callable[[], list[list[int]]],
+    def __init__(self, plan: StepPlan, collect: Callable[[], tuple[Emitted, EmittedLogprobs]],
                  feed: "jax.Array | None" = None) -> None:
         self.plan = plan
         self.feed = feed
-        self._collect: Callable[[], list[list[int]]] | None = collect
-        self._tokens: list[list[int]] = []
+        self._collect: Callable[[], tuple[Emitted, EmittedLogprobs]] | None = collect
+        self._tokens: Emitted = []
+        self._logprobs: EmittedLogprobs = None
 
     @classmethod
-    def done(cls, plan: StepPlan, tokens: list[list[int]]) -> "InFlight":
+    def done(cls, plan: StepPlan, tokens: Emitted, logprobs: EmittedLogprobs = None
+             ) -> "InFlight":
         """A step whose tokens are already on the host."""
-        return cls(plan, lambda: tokens)
+        return cls(plan, lambda: (tokens, logprobs))
 
-    def result(self) -> list[list[int]]:
+    def result(self) -> Emitted:
         """The tokens of each prefill chunk, then of each decode row (`Runner.execute`)."""
         if self._collect is not None:
-            self._tokens, self._collect = self._collect(), None
+            (self._tokens, self._logprobs), self._collect = self._collect(), None
         return self._tokens
+
+    def logprobs(self) -> EmittedLogprobs:
+        """The logprobs of `result()`'s tokens, where asked."""
+        self.result()
+        return self._logprobs
 
     def live(self) -> bool:
         """Some sequence of the plan still runs (the others finished or were aborted since)."""

@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
 from infer.sampling_params import SamplingParams, is_integer
+
+if TYPE_CHECKING:
+    from infer.structured import TokenConstraint
 
 
 class FinishReason(str, enum.Enum):
@@ -71,6 +74,18 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One output token under the model's raw distribution (before temperature, truncation and
+    any structured-output mask): its logprob, its rank (1 = the most likely), and the
+    `SamplingParams.logprobs` most likely tokens as (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestMetrics:
     """Latencies of one request in seconds; inter-token latencies are the gaps between tokens
     as the host saw them."""
@@ -112,6 +127,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     seed: int | None = None  # the seed it drew with: a fresh one when none was asked for
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when asked for
 
 
 class Request:
@@ -122,12 +138,20 @@ class Request:
     a stop string, so streamed text never shows part of one.
 
     `validated`: the limits `validate_request` already passed it with (None: not checked), so
-    that a request is checked once on its way in."""
+    that a request is checked once on its way in. `constraint`: the matcher of its
+    `params.structured` (`infer.structured`), which follows every token appended; the request
+    stops when the constraint is complete."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: Tokenizer | None, eos_ids: tuple[int, ...] = (),
                  prompt: str | None = None, arrival_s: float | None = None,
-                 validated: RequestLimits | None = None) -> None:
+                 validated: RequestLimits | None = None,
+                 constraint: TokenConstraint | None = None) -> None:
+        if (constraint is None) != (params.structured is None):
+            raise ValueError("a request has a constraint exactly when its params ask for "
+                             "structured output (Engine.make_request compiles it)")
+        self.constraint = constraint
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.request_id = request_id
         self.validated = validated
         self.prompt = prompt
@@ -160,16 +184,25 @@ class Request:
     def text(self) -> str:
         return self._visible_text()
 
-    def append(self, token: int, now: float | None = None) -> bool:
-        """Records one generated token; returns True when the request is finished."""
+    def append(self, token: int, now: float | None = None,
+               logprob: TokenLogprob | None = None) -> bool:
+        """Records one generated token (with its logprob when the request asked for them);
+        returns True when the request is finished."""
         if self.finished:
             raise RuntimeError(f"request {self.request_id} already finished ({self.finish_reason})")
+        if self.logprobs is not None:
+            if logprob is None or logprob.token_id != int(token):
+                raise RuntimeError(f"request {self.request_id} asked for logprobs, but the step "
+                                   f"that emitted token {token} brought {logprob}")
+            self.logprobs.append(logprob)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.output_ids.append(int(token))
         self.token_times.append(time.perf_counter() if now is None else now)
         searched = len(self._text)
         if self._detok is not None:
             self._text += self._detok.step(self.output_ids)
-        if int(token) in self._stop_ids:
+        if int(token) in self._stop_ids or (self.constraint is not None and self.constraint.done):
             self.finish_reason = FinishReason.STOP
         elif self.params.stop and self._cut_at_stop_string(searched):
             self.finish_reason = FinishReason.STOP
@@ -218,4 +251,5 @@ class Request:
                              prompt_token_ids=list(self.prompt_token_ids),
                              text=self._visible_text(), token_ids=list(self.output_ids),
                              finished=self.finished, finish_reason=self.finish_reason,
-                             metrics=self.metrics(), seed=self.params.seed)
+                             metrics=self.metrics(), seed=self.params.seed,
+                             logprobs=None if self.logprobs is None else list(self.logprobs))

@@ -28,12 +28,14 @@ from infer.cache.paged import PagedKVCache, copy_pages
 from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.metrics import StepTimes
-from infer.engine.plan import InFlight, PrefillChunk, SeqState, StepPlan
+from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
+from infer.engine.request import TokenLogprob
 from infer.model.llama import Llama
 from infer.platform import logger
-from infer.sampling import SamplingArrays
+from infer.sampling import SampleLogprobs, SamplingArrays
 from infer.sampling_params import is_integer
 from infer.spec.stats import SpeculationStats
+from infer.structured import mask_words
 
 if TYPE_CHECKING:
     from infer.spec.proposer import Proposer
@@ -95,11 +97,17 @@ class Shape:
     tokens: int  # per row; a mixed step's chunk
     width: int  # page-table width in pages
     draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
+    # Variants of a prefill, decode or mixed program, compiled on first use (never by warm-up,
+    # so that runs without them compile nothing more): a structured-output mask, logprobs.
+    constrained: bool = False
+    logprobs: bool = False
 
     def __str__(self) -> str:
-        probs = ", with draft probabilities" if self.draft_probs else ""
+        extras = [name for name, on in (("draft probabilities", self.draft_probs),
+                                        ("a structured-output mask", self.constrained),
+                                        ("logprobs", self.logprobs)) if on]
         return (f"{self.kind} program: {self.rows} rows x {self.tokens} tokens, "
-                f"{self.width}-page tables{probs}")
+                f"{self.width}-page tables" + "".join(f", with {e}" for e in extras))
 
 
 class Runner:
@@ -149,12 +157,12 @@ class Runner:
             src, dst = zip(*plan.page_copies)
             self.cache = copy_pages(self.cache, list(src), list(dst))
         if plan.kind == "prefill":
-            return InFlight.done(plan, [[t] for t in self._prefill(plan.prefill)])
+            return InFlight.done(plan, *self._prefill(plan.prefill))
         if plan.kind == "mixed":
-            return InFlight.done(plan, self._mixed(plan))
+            return InFlight.done(plan, *self._mixed(plan))
         if plan.kind == "decode":
             if self.proposer is not None and any(plan.draft_limits):
-                return InFlight.done(plan, self._speculate(plan))
+                return InFlight.done(plan, *self._speculate(plan))
             return self._decode(plan, after)
         return InFlight.done(plan, [])
 
@@ -173,21 +181,65 @@ class Runner:
         if feed is not None and feed.shape != (b,):
             raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
         tok = feed if feed is not None else jax.device_put(tokens[:, 0] if t == 1 else tokens)
-        return (tok, meta, SamplingArrays.from_params([s.request.params for s in seqs], batch=b),
-                jax.device_put(sample_index))
+        return tok, meta, self._sampling(seqs, b), jax.device_put(sample_index)
+
+    def _sampling(self, seqs: Sequence[SeqState], rows: int) -> SamplingArrays:
+        """The rows' sampling arrays; with a structured-output bitmask when some row is
+        constrained, each such row's filled by its matcher (the others allow every token)."""
+        constrained = [(i, s.request.constraint) for i, s in enumerate(seqs)
+                       if s.request.constraint is not None]
+        allowed = None
+        if constrained:
+            allowed = np.full((rows, mask_words(self.device_steps.config.vocab_size)), -1,
+                              np.int32)
+            for i, constraint in constrained:
+                constraint.fill(allowed, i)
+        return SamplingArrays.from_params([s.request.params for s in seqs], batch=rows,
+                                          allowed=allowed)
+
+    def _host_logprobs(self, seqs: Sequence[SeqState], logprobs: SampleLogprobs | None
+                       ) -> list[TokenLogprob | None] | None:
+        """Each row's logprobs on the host, cut to the top alternatives it asked for (None for
+        a row that asked for none); None for a step without logprobs."""
+        if logprobs is None:
+            return None
+        chosen, rank, top_ids, top = (self._wait(a) for a in (
+            logprobs.logprob, logprobs.rank, logprobs.top_ids, logprobs.top_logprobs))
+        out: list[TokenLogprob | None] = []
+        for i, s in enumerate(seqs):
+            k = s.request.params.logprobs
+            out.append(None if k is None else TokenLogprob(
+                token_id=-1, logprob=float(chosen[i]), rank=int(rank[i]),
+                top=tuple(zip(top_ids[i, :k].tolist(), top[i, :k].tolist()))))
+        return out
+
+    @staticmethod
+    def _emitted(tokens: list[int], logprobs: list[TokenLogprob | None] | None
+                 ) -> tuple[Emitted, EmittedLogprobs]:
+        """One-token rows as a step's result, each logprob naming its token."""
+        if logprobs is None:
+            return [[t] for t in tokens], None
+        return [[t] for t in tokens], [
+            [None if lp is None else dataclasses.replace(lp, token_id=t)]
+            for t, lp in zip(tokens, logprobs)]
 
     def _dispatch(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
                   q_lens: np.ndarray, width: int, sample_index: np.ndarray,
-                  feed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Starts one step; its sampled tokens [rows] and final hidden states [rows, T, E] (a
-        proposer's features), on the device."""
+                  feed: jax.Array | None = None
+                  ) -> tuple[jax.Array, SampleLogprobs | None, jax.Array]:
+        """Starts one step; its sampled tokens [rows], their logprobs (when a row asked) and
+        final hidden states [rows, T, E] (a proposer's features), on the device."""
         rows, t = tokens.shape
-        self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width))
         start = time.perf_counter()
         inputs = self._inputs(seqs, tokens, cached, q_lens, width, sample_index, feed)
-        sampled, _, hidden, self.cache = self.device_steps.prefill_step(self.cache, *inputs)
+        sampling = inputs[2]
+        self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width,
+                              constrained=sampling.allowed is not None,
+                              logprobs=bool(sampling.num_logprobs)))
+        sampled, logprobs, hidden, self.cache = self.device_steps.prefill_step(self.cache,
+                                                                               *inputs)
         self.times.inputs_s += time.perf_counter() - start
-        return sampled, hidden
+        return sampled, logprobs, hidden
 
     def _wait(self, values: jax.Array) -> np.ndarray:
         """`values` on the host, once the device has them: the time counts as the device's."""
@@ -198,7 +250,7 @@ class Runner:
         self.times.device_s += time.perf_counter() - start
         return out
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
+    def _prefill(self, chunks: list[PrefillChunk]) -> tuple[Emitted, EmittedLogprobs]:
         rows = len(chunks)
         t = bucket_for(max(len(c.token_ids) for c in chunks), self.config.prefill_buckets)
         width = self.config.window_for(max(c.start + len(c.token_ids) for c in chunks))
@@ -208,12 +260,13 @@ class Runner:
         cached = np.array([c.start for c in chunks], np.int32)
         q_lens = np.array([len(c.token_ids) for c in chunks], np.int32)
         sample_index = np.array([len(c.seq.request.output_ids) for c in chunks], np.int32)
-        sampled, hidden = self._dispatch([c.seq for c in chunks], tokens, cached, q_lens, width,
-                                         sample_index)
+        seqs = [c.seq for c in chunks]
+        sampled, logprobs, hidden = self._dispatch(seqs, tokens, cached, q_lens, width,
+                                                   sample_index)
         sampled = self._wait(sampled).tolist()
         if self.proposer is not None:
             self.proposer.observe_prefill(chunks, hidden)
-        return sampled[:rows]
+        return self._emitted(sampled[:rows], self._host_logprobs(seqs, logprobs))
 
     def _mixed_inputs(self, chunk: PrefillChunk | None, seqs: Sequence[SeqState], rows: int,
                       t: int, width: int) -> tuple:
@@ -233,13 +286,12 @@ class Runner:
         tokens[:len(ids)], tokens[t:] = ids, decode_tokens
         logit_index = np.concatenate([[max(len(ids) - 1, 0)], t + np.arange(rows)])
         chunk_index = [len(chunk.seq.request.output_ids)] if chunk is not None else [0]
-        params = [s.request.params for s in chunk_seqs + list(seqs)]
         return (jax.device_put(tokens[None]), MixedMetadata((chunk_meta, decode_meta)),
                 jax.device_put(logit_index[None].astype(np.int32)),
-                SamplingArrays.from_params(params, batch=rows + 1),
+                self._sampling(chunk_seqs + list(seqs), rows + 1),
                 jax.device_put(np.concatenate([chunk_index, decode_index]).astype(np.int32)))
 
-    def _mixed(self, plan: StepPlan) -> list[list[int]]:
+    def _mixed(self, plan: StepPlan) -> tuple[Emitted, EmittedLogprobs]:
         """A prefill chunk and every decode row in one forward: the weights are read once for
         both, where alternating steps read them twice."""
         (chunk,), seqs = plan.prefill, plan.decode
@@ -250,13 +302,16 @@ class Runner:
         t = bucket_for(len(chunk.token_ids), self.config.prefill_buckets)
         width = max(self.config.window_for(chunk.start + len(chunk.token_ids)),
                     self._decode_window(seqs))
-        self._first_use(Shape("mixed", rows, t, width))
         start = time.perf_counter()
         inputs = self._mixed_inputs(chunk, seqs, rows, t, width)
-        sampled, self.cache = self.device_steps.mixed_step(self.cache, *inputs)
+        sampling = inputs[3]
+        self._first_use(Shape("mixed", rows, t, width, constrained=sampling.allowed is not None,
+                              logprobs=bool(sampling.num_logprobs)))
+        sampled, logprobs, self.cache = self.device_steps.mixed_step(self.cache, *inputs)
         self.times.inputs_s += time.perf_counter() - start
-        sampled = self._wait(sampled).tolist()
-        return [[sampled[0]]] + [[token] for token in sampled[1:1 + len(seqs)]]
+        real = [chunk.seq] + list(seqs)
+        return self._emitted(self._wait(sampled)[:len(real)].tolist(),
+                             self._host_logprobs(real, logprobs))
 
     def _decode_rows(self, seqs: Sequence[SeqState], rows: int, ahead: int = 0
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -285,26 +340,33 @@ class Runner:
         rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
         width = self._decode_window(seqs, ahead)
         tokens, cached, q_lens, sample_index = self._decode_rows(seqs, rows, ahead)
-        sampled, hidden = self._dispatch(seqs, tokens[:, None], cached, q_lens, width,
-                                         sample_index,
-                                         feed=after.feed if after is not None else None)
+        sampled, logprobs, hidden = self._dispatch(
+            seqs, tokens[:, None], cached, q_lens, width, sample_index,
+            feed=after.feed if after is not None else None)
 
-        def collect() -> list[list[int]]:
-            out = [[t] for t in self._wait(sampled)[:len(seqs)].tolist()]
+        def collect() -> tuple[Emitted, EmittedLogprobs]:
+            out = self._emitted(self._wait(sampled)[:len(seqs)].tolist(),
+                                self._host_logprobs(seqs, logprobs))
             if self.proposer is not None:
-                self.proposer.commit(seqs, out, hidden)
+                self.proposer.commit(seqs, out[0], hidden)
             return out
 
         return InFlight(plan, collect, feed=sampled)
 
-    def _speculate(self, plan: StepPlan) -> list[list[int]]:
+    def _speculate(self, plan: StepPlan) -> tuple[Emitted, EmittedLogprobs]:
         """Proposals, then one target pass over [last token, drafts] per row and exact
         verification on device; each row advances by its own accepted length."""
         seqs, k = plan.decode, self.config.num_speculative_tokens
+        plain = [s.label for s in seqs if s.request.params.plain_steps_only]
+        if plain:
+            raise ValueError(f"{', '.join(plain)} asked for logprobs or structured output, "
+                             "which plain steps compute: the scheduler plans no drafts in a "
+                             "step with such a row")
         rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
         drafts, counts, draft_probs = self.proposer.propose(seqs, plan.draft_limits, rows, k)
         if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
-            return self._decode(plan).result()
+            pending = self._decode(plan)
+            return pending.result(), pending.logprobs()
         tokens = np.zeros((rows, k + 1), np.int32)
         tokens[:, 1:] = drafts
         cached = np.zeros(rows, np.int32)
@@ -328,7 +390,7 @@ class Runner:
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
         self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
         self.proposer.commit(seqs, out, hidden)
-        return out
+        return out, None
 
 
     # -- compilation ----------------------------------------------------------------------------
@@ -383,8 +445,12 @@ class Runner:
     def _first_use(self, shape: Shape) -> None:
         if shape not in self.ready:
             self.ready.add(shape)
-            logger().info("compiling the %s (its first use in this process; Engine.warmup() "
-                          "compiles all %d ahead)", shape, len(self.shapes()))
+            if shape.constrained or shape.logprobs:
+                logger().info("compiling the %s (a variant compiled on its first use only)",
+                              shape)
+            else:
+                logger().info("compiling the %s (its first use in this process; "
+                              "Engine.warmup() compiles all %d ahead)", shape, len(self.shapes()))
 
     def _run_shape(self, shape: Shape) -> None:
         self.ready.add(shape)

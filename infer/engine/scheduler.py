@@ -54,8 +54,8 @@ from typing import Callable, Iterable, Sequence
 
 from infer.cache.page_allocator import OutOfPages, PageAllocator
 from infer.cache.prefix_cache import PrefixCache
-from infer.engine.plan import InFlight, PrefillChunk, SeqState, Status, StepPlan
-from infer.engine.request import Request, RequestLimits, validate_request
+from infer.engine.plan import EmittedLogprobs, InFlight, PrefillChunk, SeqState, Status, StepPlan
+from infer.engine.request import Request, RequestLimits, TokenLogprob, validate_request
 
 POLICIES = ("continuous", "static")
 
@@ -258,10 +258,14 @@ class Scheduler:
         static = self.config.policy == "static"
         plan = StepPlan(kind="decode", decode_width=self._batch_width if static else 0)
         # Earliest admitted first: when pages run out, the latest admitted is preempted.
-        for seq in sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at):
+        ready = sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at)
+        # Logprobs and structured-output masks come from plain steps only: a step holding such
+        # a row verifies no drafts (its batch-mates decode plainly for that step).
+        speculate = not any(s.request.params.plain_steps_only for s in ready)
+        for seq in ready:
             if seq.status != Status.RUNNING:
                 continue  # preempted below while making room for an earlier request
-            drafts = self._draft_limit(seq)
+            drafts = self._draft_limit(seq) if speculate else 0
             while True:
                 try:
                     end = seq.num_computed + 1 + drafts
@@ -320,6 +324,7 @@ class Scheduler:
         for seq in plan.decode:
             slot = seq.num_computed + 1  # step n writes num_computed, step n+1 the next slot
             if (seq.status != Status.RUNNING or seq.in_prefill
+                    or seq.request.constraint is not None  # its mask needs the token in flight
                     or len(seq.request.output_ids) + 1 >= seq.request.params.max_tokens
                     or slot + 1 > self.config.max_model_len):
                 return None
@@ -353,24 +358,27 @@ class Scheduler:
     # -- after the device step -----------------------------------------------------------------
 
     def postprocess(self, plan: StepPlan, emitted: Iterable[Sequence[int]],
-                    now: float | None = None) -> list[SeqState]:
+                    now: float | None = None, logprobs: EmittedLogprobs = None
+                    ) -> list[SeqState]:
         """Advances the planned sequences. `emitted` holds, in plan order, the tokens each
         prefill chunk and then each decode row produced: one token, or with speculative
-        decoding the accepted drafts plus the target's own token. Returns the sequences that
-        got tokens."""
+        decoding the accepted drafts plus the target's own token; `logprobs`, theirs where
+        the step computed them. Returns the sequences that got tokens."""
         now = self.clock() if now is None else now
         emitted = list(emitted)
+        row_logprobs = [[None] * len(t) for t in emitted] if logprobs is None else logprobs
         got_token = []
-        for chunk, tokens in zip(plan.prefill, emitted):
+        for chunk, tokens, lps in zip(plan.prefill, emitted, row_logprobs):
             seq = chunk.seq
             if seq.status != Status.RUNNING:
                 continue  # aborted since the plan: its pages are gone
             seq.pages.mark_computed(chunk.start + len(chunk.token_ids))
             self._cache_pages(seq)
             if chunk.completes:
-                self._append(seq, tokens, now)
+                self._append(seq, tokens, now, lps)
                 got_token.append(seq)
-        for i, (seq, tokens) in enumerate(zip(plan.decode, emitted[len(plan.prefill):])):
+        decoded = zip(plan.decode, emitted[len(plan.prefill):], row_logprobs[len(plan.prefill):])
+        for i, (seq, tokens, lps) in enumerate(decoded):
             if seq.status != Status.RUNNING:
                 continue
             # The step wrote KV for the fed token and every accepted draft: one per emitted
@@ -383,13 +391,14 @@ class Scheduler:
                 self.allocator.truncate(seq.pages, seq.num_computed)
             if seq.num_computed // self.allocator.page_size > filled_before:
                 self._cache_pages(seq)  # a page just filled
-            self._append(seq, tokens, now)
+            self._append(seq, tokens, now, lps)
             got_token.append(seq)
         return got_token
 
-    def _append(self, seq: SeqState, tokens: Sequence[int], now: float) -> None:
-        for token in tokens:
-            if seq.request.append(token, now):
+    def _append(self, seq: SeqState, tokens: Sequence[int], now: float,
+                logprobs: Sequence[TokenLogprob | None]) -> None:
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            if seq.request.append(token, now, logprob):
                 self._finish(seq)
                 return
 

@@ -75,6 +75,10 @@ def decode_stream(model: Llama | DeviceSteps, prompts: Sequence[Sequence[int]],
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    plain = [i for i, p in enumerate(sampling) if p.plain_steps_only]
+    if plain:
+        raise ValueError(f"rows {plain} ask for logprobs or structured output: the engine "
+                         "(LLM, Engine) serves those, the plain loop does not")
     # The loop stops after max_new_tokens whatever each row's max_tokens says: check that.
     sampling = [dataclasses.replace(p, max_tokens=max_new_tokens).with_resolved_seed()
                 for p in sampling]

@@ -8,10 +8,12 @@ Parameters and activations name their dimensions with logical axes ("embed", "he
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
+
+T = TypeVar("T")
 
 # One name per kind of dimension, shared by parameters (via the `logical_axes` metadata of
 # each nnx.Param) and activations.
@@ -57,9 +59,9 @@ def shard(x: jax.Array, logical_axes: Sequence[str | None],
     return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes))
 
 
-def replicate(x: jax.Array) -> jax.Array:
-    """Constrains `x` to be whole on every device of the active mesh (sampled tokens, which
-    every device's next step reads); no-op without one."""
+def replicate(x: T) -> T:
+    """Constrains the arrays of `x` to be whole on every device of the active mesh (sampled
+    tokens, which every device's next step reads); no-op without one."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec())

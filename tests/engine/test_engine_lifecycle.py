@@ -50,7 +50,7 @@ class TokenMockRunner:
         self.times = StepTimes()
 
     def dispatch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
-        return InFlight(plan, lambda: self.execute(plan))
+        return InFlight(plan, lambda: (self.execute(plan), None))
 
     def execute(self, plan: StepPlan) -> list[list[int]]:
         out = [[(sum(c.token_ids) * 7 + 3) % TINY.vocab_size] for c in plan.prefill]

@@ -1,0 +1,115 @@
+"""Structured output: a request's `StructuredOutput` compiled by llguidance into a matcher that
+says, before each sampled token, which tokens keep the output inside the constraint's language.
+
+The host side of constrained decoding, as vLLM's guidance backend does it: the engine asks a
+`TokenConstraint` for its row of an int32 bitmask (bit t of word t // 32: token t allowed)
+before every step that samples for the request, and feeds it each token the request emits.
+The device side is `infer.sampling`'s mask, which only programs given a bitmask contain.
+
+llguidance is imported when the first constrained request arrives (the `structured` extra);
+its tokenizer, built once per engine from the model's own `tokenizer.json`, takes about 0.3 s.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from infer.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from infer.io.tokenizer import Tokenizer
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask."""
+    return -(-vocab_size // 32)
+
+
+def grammar_source(spec: StructuredOutput) -> str:
+    """The llguidance grammar of one constraint. A choice is a regex alternation of the escaped
+    strings (vLLM's construction); any JSON object is the schema {"type": "object"}."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher
+    if spec.json is not None:
+        return matcher.grammar_from_json_schema(spec.json)
+    if spec.json_object:
+        return matcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+    if spec.regex is not None:
+        return matcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
+    return llguidance.grammar_from("grammar", spec.grammar)
+
+
+class TokenConstraint:
+    """One request's matcher: its state follows the tokens the request has emitted."""
+
+    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+        self._matcher = matcher
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Writes the tokens allowed next into row `row` of an int32 bitmask [B, words]."""
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def consume(self, token: int) -> None:
+        """Advances past an emitted token. A token outside the mask is a bug in the path that
+        sampled it (every constrained step applies the mask), never a model's choice."""
+        if not self._matcher.consume_token(int(token)):
+            raise RuntimeError(f"token {token} was sampled outside its structured-output mask: "
+                               f"{self._matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: nothing may follow (the end-of-sequence token was taken)."""
+        return self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer and vocabulary (the logits' width, which
+    may exceed the tokenizer's: tokens past it are never allowed)."""
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._ll_tokenizer: "llguidance.LLTokenizer | None" = None
+        self._lock = threading.Lock()  # a server's request threads may build it at once
+
+    def _llg_tokenizer(self) -> "llguidance.LLTokenizer":
+        with self._lock:
+            if self._ll_tokenizer is None:
+                try:
+                    import llguidance
+                except ImportError:
+                    raise ValueError("structured output needs llguidance: pip install "
+                                     "'infer[structured]'") from None
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                    eos_token=list(self._tokenizer.eos_ids))
+            return self._ll_tokenizer
+
+    def constraint(self, spec: StructuredOutput) -> TokenConstraint:
+        """A fresh matcher for `spec`; ValueError with llguidance's message if it is invalid
+        (a bad regex, schema or grammar), before any request state exists."""
+        import llguidance
+
+        tokenizer = self._llg_tokenizer()
+        try:
+            source = grammar_source(spec)
+        except ValueError as e:
+            raise ValueError(f"invalid structured output: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(source, tokenizer)
+        if error:
+            raise ValueError(f"invalid structured output: {error.strip()}")
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output: {matcher.get_error()}")
+        return TokenConstraint(matcher)
