@@ -53,7 +53,8 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            # Key order kept: a schema's property order is the order the output follows.
+            object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None:
             object.__setattr__(self, "choice", _as_tuple(self.choice, "choice"))
         problems = []

@@ -31,6 +31,12 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+# JSON as json.dumps writes it, whitespace fixed (vLLM's --structured-outputs-config
+# disable_any_whitespace): with llguidance's default, any run of whitespace between tokens, a
+# model at temperature 1 (or a weak one) can emit blanks until max_tokens.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def grammar_source(spec: StructuredOutput) -> str:
     """The llguidance grammar of one constraint. A choice is a regex alternation of the escaped
     strings (vLLM's construction); any JSON object is the schema {"type": "object"}."""
@@ -38,9 +44,10 @@ def grammar_source(spec: StructuredOutput) -> str:
 
     matcher = llguidance.LLMatcher
     if spec.json is not None:
-        return matcher.grammar_from_json_schema(spec.json)
+        return matcher.grammar_from_json_schema(spec.json, defaults=JSON_FORMAT)
     if spec.json_object:
-        return matcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return matcher.grammar_from_json_schema(json.dumps({"type": "object"}),
+                                                defaults=JSON_FORMAT)
     if spec.regex is not None:
         return matcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:

@@ -1,6 +1,8 @@
-"""Engines the tests build on the tiny random model."""
+"""Engines the tests build on the tiny random model, and checks of what engines return."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from infer.engine.engine import Engine, EngineConfig
 from infer.model.llama import Llama
@@ -10,3 +12,20 @@ def tiny_engine(model: Llama, **overrides) -> Engine:
     config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=64, page_size=4)
     config.update(overrides)
     return Engine(model, None, EngineConfig(**config))
+
+
+def check_logprobs(ref: np.ndarray, out, k: int, atol: float) -> None:
+    """An output's logprobs against reference logprobs [T, V] of its T tokens (each row: the
+    distribution the token was drawn from): chosen value and rank, and k top alternatives
+    whose values are the reference's largest. Ids are compared through their values, so that
+    tokens within atol of each other may come in either order."""
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == len(ref)
+    for row, token, lp in zip(ref, out.token_ids, out.logprobs):
+        assert lp.token_id == token
+        np.testing.assert_allclose(lp.logprob, row[token], atol=atol)
+        assert (1 + np.sum(row > row[token] + atol) <= lp.rank
+                <= 1 + np.sum(row > row[token] - atol))
+        assert len(lp.top) == k
+        values = [v for _, v in lp.top]
+        np.testing.assert_allclose(values, row[[t for t, _ in lp.top]], atol=atol)
+        np.testing.assert_allclose(values, np.sort(row)[::-1][:k], atol=atol)

@@ -10,6 +10,7 @@ from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
 from infer.engine.simple_loop import decode_stream
 from infer.sampling_params import SamplingParams
+from tests.engines import check_logprobs
 from tests.hf_util import agree_until_near_tie, hf_greedy, hf_logits
 
 pytest.importorskip("torch")
@@ -78,3 +79,22 @@ def test_greedy_64_tokens_equal_hf_generate(smollm2, hf_smollm2, chat_prompt) ->
         ref, margins = hf_greedy(hf_smollm2, ids, steps)
         ok, why = agree_until_near_tie(ours[row], ref, margins)
         assert ok, f"prompt {row}: {why}"
+
+
+def test_engine_logprobs_match_hf(smollm2, hf_smollm2, chat_prompt) -> None:
+    """LLM.generate's logprobs (greedy and sampled, one batch) against log_softmax of HF's logits
+    over the same prompt and output tokens."""
+    import torch
+
+    from infer.llm import LLM
+    config, model, tokenizer = smollm2
+    llm = LLM.from_loaded(config, model, tokenizer, max_num_seqs=2, max_model_len=128,
+                          max_prefill_tokens=64)
+    params = [SamplingParams(max_tokens=8, logprobs=5),
+              SamplingParams(max_tokens=8, logprobs=2, temperature=1.0, seed=3)]
+    outs = llm.generate([chat_prompt, PROMPTS[0]], params)
+    for text, p, out in zip([chat_prompt, PROMPTS[0]], params, outs):
+        ids = tokenizer.encode(text)
+        ref = torch.log_softmax(torch.from_numpy(hf_logits(hf_smollm2, ids + out.token_ids)),
+                                dim=-1).numpy()[len(ids) - 1:-1]
+        check_logprobs(ref, out, p.logprobs, atol=1e-3)

@@ -1,0 +1,156 @@
+"""What structured output costs per decode step: the engine decoding the same prompts with no
+constraint, under a JSON schema and under a regex, same batch, lengths and run, on SmolLM2.
+
+  python -m experiments.structured_cost --batch_sizes=1,8 --tokens=48
+
+Each constraint is made so that it cannot complete within `--tokens` tokens (a string of at
+least 16 characters a token), so every run decodes the same number of steps. A step's time is
+the median over the full-batch decode steps of every repeat (`StepRecord.end_s - start_s`);
+its phases are means, as in `experiments.engine_overhead`. The mask's two costs show apart:
+the host fills each constrained row's bitmask while building the step's inputs (`inputs_ms`;
+`fill_ms` times llguidance's fill alone, replayed along the tokens the run produced), and the
+device applies it in the step (`device_ms`). A constrained step is also never planned ahead
+(its mask needs the token in flight), so what async scheduling hid comes back into the step:
+`planned_ahead` is the share of steps that were.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from experiments.common import define_resume_flag
+
+FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+flags.DEFINE_list("batch_sizes", ["1", "8"], "decode batch sizes", flag_values=FLAGS)
+flags.DEFINE_list("constraints", ["none", "json", "regex"], "constraints to time",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 48, "tokens generated per request", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 3, "timed runs per point", flag_values=FLAGS)
+flags.DEFINE_integer("layers", 0, "run on the model's first N layers only (0: all); for quick "
+                     "checks, the figures are the full model's", flag_values=FLAGS)
+flags.DEFINE_string("out", "results/structured_cost.jsonl", "JSONL output", flag_values=FLAGS)
+define_resume_flag(FLAGS)
+
+PHASES = ("schedule", "inputs", "device", "output")
+
+
+def constraint_for(kind: str, tokens: int):
+    """A constraint of `kind` that `tokens` tokens cannot complete; None for "none"."""
+    from infer.sampling_params import StructuredOutput
+
+    least = 16 * tokens  # characters: more than `tokens` tokens of SmolLM2's vocabulary hold
+    if kind == "none":
+        return None
+    if kind == "json":
+        return StructuredOutput(json={
+            "type": "object", "required": ["title", "body"],
+            "properties": {"title": {"type": "string", "maxLength": 40},
+                           "body": {"type": "string", "minLength": least}}})
+    if kind == "regex":
+        return StructuredOutput(regex=f"[A-Za-z ,.]{{{least},}}")
+    raise ValueError(f"unknown constraint {kind!r}: none, json or regex")
+
+
+def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_len: int,
+        repeats: int, layers: int, out: str, resume: bool = False) -> list[dict]:
+    """One row per (batch, constraint), appended to `out` as it is measured."""
+    import time
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from experiments.common import ResultLog, markdown_table
+    from experiments.workloads import consecutive_prompts, text_ids
+    from infer.engine.engine import Engine, EngineConfig
+    from infer.io.loader import load
+    from infer.sampling_params import SamplingParams
+    from infer.spec.draft_model import self_draft
+    from infer.structured import mask_words
+
+    specs = {kind: constraint_for(kind, tokens) for kind in constraints}  # checks them first
+    if tokens < 4:
+        raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    log = ResultLog(out, resume=resume)
+    config, model, tokenizer = load("smollm2-135m", "float32")
+    if layers:
+        model = self_draft(model, layers)
+    ids = text_ids(tokenizer, 200_000)
+
+    def engine_run(engine: Engine, prompts: list[list[int]], spec) -> tuple[list, list]:
+        # The engine prefills one request per step first: decode past that ramp.
+        params = SamplingParams(max_tokens=tokens + 2 * len(prompts), ignore_eos=True,
+                                structured=spec)
+        rids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+        since = engine.num_steps
+        outputs = {o.request_id: o for o in engine.stream() if o.finished}
+        records = [r for r in engine.step_records(since)
+                   if r.kind == "decode" and r.decode_rows == len(prompts)]
+        return records, [outputs[r] for r in rids]
+
+    def fill_times(engine: Engine, spec, outputs: list) -> list[float]:
+        """llguidance's fill of one row, replayed along each output's tokens."""
+        times, mask = [], np.zeros((1, mask_words(config.vocab_size)), np.int32)
+        for out_ in outputs:
+            constraint = engine.make_request(prompt_token_ids=[0], params=SamplingParams(
+                structured=spec, max_tokens=1)).constraint
+            for token in out_.token_ids:
+                start = time.perf_counter()
+                constraint.fill(mask, 0)
+                times.append(time.perf_counter() - start)
+                constraint.consume(token)
+        return times
+
+    for b in tqdm(batch_sizes, desc="batch sizes"):
+        prompts = consecutive_prompts(ids, b, prompt_len)
+        engine = Engine(model, tokenizer, EngineConfig(
+            max_num_seqs=b, max_prefill_tokens=prompt_len,
+            max_model_len=prompt_len + tokens + 2 * b))
+        for spec in specs.values():
+            engine_run(engine, prompts, spec)  # compiles every program the point uses
+        timed: dict[str, tuple[list, list]] = {k: ([], []) for k in specs}
+        for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all
+            for kind, spec in specs.items():
+                records, outputs = engine_run(engine, prompts, spec)
+                timed[kind][0].extend(records)
+                timed[kind][1].extend(outputs)
+        for kind, spec in specs.items():
+            records, outputs = timed[kind]
+
+            def measure(records=records, outputs=outputs, spec=spec, engine=engine) -> dict:
+                step_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
+                row = {"step_ms": step_ms, "steps_timed": len(records),
+                       "planned_ahead": float(np.mean([r.planned_ahead for r in records])),
+                       "tok_s": b / step_ms * 1e3}
+                for phase in PHASES:
+                    row[f"{phase}_ms"] = float(np.mean([getattr(r, f"{phase}_s")
+                                                        for r in records])) * 1e3
+                if spec is not None:
+                    fills = fill_times(engine, spec, outputs)
+                    row |= {"fill_ms": float(np.median(fills)) * 1e3,
+                            "fill_ms_p99": float(np.percentile(fills, 99)) * 1e3,
+                            "finished_by_length": all(o.finish_reason.value == "length"
+                                                      for o in outputs)}
+                return row
+
+            log.measure({"experiment": "structured_cost", "model": config.name,
+                         "layers": layers or config.num_layers, "batch": b, "constraint": kind,
+                         "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats},
+                        measure)
+    rows = log.rows()
+    bases = {r["batch"]: r["step_ms"] for r in rows if r["constraint"] == "none"}
+    for r in rows:
+        if r["batch"] in bases:
+            r["over_unconstrained"] = r["step_ms"] / bases[r["batch"]]
+    print(markdown_table(rows, [("batch", "batch"), ("constraint", "constraint"),
+                                ("step_ms", "step ms"), ("over_unconstrained", "× none"),
+                                ("schedule_ms", "schedule ms"), ("inputs_ms", "inputs ms"),
+                                ("device_ms", "device ms"), ("output_ms", "output ms"),
+                                ("fill_ms", "fill ms/row"), ("fill_ms_p99", "fill p99 ms"),
+                                ("planned_ahead", "planned ahead")]))
+    return rows
+
+
+if __name__ == "__main__":
+    from experiments.common import run_main
+    run_main(run, FLAGS, compilation_cache=True)
