@@ -175,6 +175,7 @@ class Server:
         """One event per choice per engine step that gave it tokens; usage; [DONE]. If the
         client disconnects, Starlette cancels this generator and the finally aborts."""
         sent = [""] * len(job.requests)
+        cursors = [protocol.LogprobCursor() for _ in job.requests]
         try:
             while not stream.done:
                 item = await stream.next()
@@ -189,7 +190,7 @@ class Server:
                                     out.request_id)
                         text = sent[i]
                     yield _sse(protocol.chunk(job, i, out, text[len(sent[i]):],
-                                              first=stream.first_event(i)))
+                                              first=stream.first_event(i), cursor=cursors[i]))
                     sent[i] = text
             else:
                 if job.include_usage:

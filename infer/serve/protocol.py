@@ -14,9 +14,9 @@ import time
 import uuid
 from typing import Callable, Mapping, Sequence
 
-from infer.engine.request import Request, RequestOutput
+from infer.engine.request import Request, RequestOutput, TokenLogprob
 from infer.io.tokenizer import Tokenizer
-from infer.sampling_params import SamplingParams, is_integer
+from infer.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput, is_integer
 
 log = logging.getLogger("infer")
 
@@ -48,10 +48,22 @@ class ServedModel:
     max_num_seqs: int
     tokenizer: Tokenizer
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # Each id decoded once: a logprobs response names every token and up to 20 alternatives
+    # per position, and the same few thousand ids come back request after request.
+    _token_texts: dict[int, str] = dataclasses.field(default_factory=dict, init=False,
+                                                     repr=False, compare=False)
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
                 "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs name it: the tokenizer's decode of that id alone (a
+        byte-level token that is part of a UTF-8 character decodes to U+FFFD)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 @dataclasses.dataclass
@@ -67,6 +79,8 @@ class Job:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    # Set when the request asked for logprobs: the text each token is reported as.
+    token_text: Callable[[int], str] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,24 +90,29 @@ class Job:
 
 # Fields infer lacks, with the values that mean "off": any other value is refused.
 _NEUTRAL: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "echo": (None, False),
     "prompt_logprobs": (None,), "repetition_penalty": (None, 1, 1.0),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "suffix": (None, ""), "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0), "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "json_schema": (None,),
-    "regex": (None,), "ebnf": (None,), "include_stop_str_in_output": (None, False),
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "continue_final_message": (None, False),
     "chat_template_kwargs": (None, {}), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
 }
+# vLLM's structured-output fields before 0.12, which removed them for `structured_outputs`: a
+# client still sending them expects a constraint, so they are refused, with the new spelling.
+_REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar", "guided_decoding_backend": None,
+                   "guided_whitespace_pattern": None}
+# Fields that each carry one output constraint, in the order a conflict is reported in.
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "json_schema", "regex", "ebnf")
 # Fields read below, or harmless to ignore (`user` only tags requests for OpenAI's abuse checks).
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids", "ignore_eos",
           "stream", "stream_options", "return_token_ids", "request_id", "user",
-          "add_generation_prompt", "parallel_tool_calls", "add_special_tokens"} | set(_NEUTRAL)
+          "add_generation_prompt", "parallel_tool_calls", "add_special_tokens", "logprobs",
+          "top_logprobs"} | set(_NEUTRAL) | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
 
 
 class _UnknownFields:
@@ -117,6 +136,11 @@ def _refuse_unsupported(body: Mapping) -> None:
         if name in body and not any(_same(body[name], v) for v in neutral):
             raise ApiError(400, f"{name}={body[name]!r} is not supported by infer (yet): only "
                                 f"{', '.join(repr(v) for v in neutral)} is accepted", name)
+    for name, key in _REMOVED_GUIDED.items():
+        if body.get(name) is not None:
+            instead = f'structured_outputs={{"{key}": ...}}' if key else "structured_outputs"
+            raise ApiError(400, f"{name} was removed in vLLM 0.12 and infer does not read it: "
+                                f"use {instead}", name)
 
 
 def _same(a: object, b: object) -> bool:
@@ -173,9 +197,111 @@ def _stop_token_ids(body: Mapping) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
-def sampling_params(body: Mapping, max_tokens: int) -> SamplingParams:
+def _response_format(value: object) -> dict | None:
+    """OpenAI's response_format as StructuredOutput's fields; None for plain text."""
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        # `name` and `strict` change nothing here: the schema always constrains strictly.
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                                f"schema object, got {spec!r:.80}", "response_format")
+        return {"json": dict(schema)}
+    raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": "
+                        "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                        f"{{\"name\", \"schema\"}}}}, got {value!r:.80}", "response_format")
+
+
+def _structured_outputs(value: object) -> dict:
+    """vLLM's structured_outputs: exactly one of its constraints (null ones not counted)."""
+    keys = ("json", "regex", "choice", "grammar", "json_object")
+    if not isinstance(value, Mapping):
+        raise ApiError(400, f"structured_outputs must be an object, got {value!r:.80}",
+                       "structured_outputs")
+    others = sorted(k for k, v in value.items() if k not in keys and v is not None)
+    if others:
+        # Its options (backend, whitespace, fallback) would be silently ignored otherwise.
+        raise ApiError(400, f"structured_outputs: {', '.join(others)} not supported by infer; "
+                            f"it reads {', '.join(keys)}", "structured_outputs")
+    given = {k: v for k, v in value.items() if v is not None and not (
+        k == "json_object" and v is False)}
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs must give exactly one of {', '.join(keys)}, "
+                            f"got {sorted(given) or 'none'}", "structured_outputs")
+    if not isinstance(given.get("choice", []), list):  # a string would be split into letters
+        raise ApiError(400, f"structured_outputs.choice must be a list of strings, got "
+                            f"{given['choice']!r:.80}", "structured_outputs")
+    return given
+
+
+def structured_output(body: Mapping) -> tuple[StructuredOutput | None, str | None]:
+    """The body's output constraint and the field it came from: OpenAI's response_format,
+    vLLM's structured_outputs or SGLang's json_schema (a JSON string), regex and ebnf. At most
+    one constraint; more is refused naming the later field in `_CONSTRAINT_FIELDS`' order."""
+    found: list[tuple[str, dict]] = []
+    if body.get("response_format") is not None:
+        spec = _response_format(body["response_format"])
+        if spec is not None:
+            found.append(("response_format", spec))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
+    for name, key in (("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar")):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ApiError(400, f"{name} must be a string, got {value!r:.80}", name)
+            found.append((name, {key: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise ApiError(400, f"only one output constraint may be given, got "
+                            f"{', '.join(name for name, _ in found)}", found[-1][0])
+    name, spec = found[0]
+    try:
+        return StructuredOutput(**spec), name
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"{name}: {e}", name) from None
+
+
+def _logprobs_count(value: object, name: str) -> int:
+    if not (is_integer(value) and 0 <= value <= MAX_LOGPROBS):
+        raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+                       name)
+    return int(value)
+
+
+def completion_logprobs(body: Mapping) -> int | None:
+    """Completions' logprobs: how many alternatives per token (null or false: none)."""
+    value = body.get("logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise ApiError(400, "top_logprobs is a chat field: completions take logprobs=k",
+                       "top_logprobs")
+    if value is None or value is False:  # vLLM's benchmark client sends null
+        return None
+    return _logprobs_count(value, "logprobs")
+
+
+def chat_logprobs(body: Mapping) -> int | None:
+    """Chat's logprobs (a bool) and top_logprobs (how many alternatives; needs logprobs)."""
+    wanted = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if not wanted:
+        return None
+    return 0 if top is None else _logprobs_count(top, "top_logprobs")
+
+
+def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """The body's sampling fields with OpenAI's defaults; bad values raise ApiError naming the
-    field (SamplingParams' own checks, whose problems each start with the field's name)."""
+    field (SamplingParams' own checks, whose problems each start with the field's name).
+    `logprobs` and `structured` come parsed: their fields differ between endpoints."""
     top_k = _int(body, "top_k", 0)
     if top_k == -1:  # SGLang's "off"; vLLM's is 0
         top_k = 0
@@ -185,7 +311,7 @@ def sampling_params(body: Mapping, max_tokens: int) -> SamplingParams:
                   stop_token_ids=_stop_token_ids(body),
                   ignore_eos=_bool(body, "ignore_eos", False))
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, logprobs=logprobs, structured=structured)
     except ValueError as e:
         first = str(e).removeprefix("invalid SamplingParams: ").split(";")[0]
         name = first.split(" ", 1)[0]
@@ -235,9 +361,11 @@ MakeRequest = Callable[..., Request]  # Engine.make_request's signature
 
 
 def _requests(make_request: MakeRequest, response_id: str, prompts: Sequence[dict],
-              params: SamplingParams, n: int, arrival_s: float, param: str) -> list[Request]:
+              params: SamplingParams, n: int, arrival_s: float, param: str,
+              structured_param: str | None = None) -> list[Request]:
     """n requests per prompt, choice i of a seeded request drawing with seed + i (vLLM's
-    rule), each id unique: `{response_id}-{prompt}.{choice}`."""
+    rule), each id unique: `{response_id}-{prompt}.{choice}`. A constraint llguidance refuses
+    (a bad regex, schema or grammar) is the fault of `structured_param`, not of the prompt."""
     out = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -247,7 +375,10 @@ def _requests(make_request: MakeRequest, response_id: str, prompts: Sequence[dic
                                         request_id=f"{response_id}-{p}.{i}",
                                         arrival_s=arrival_s, **prompt))
             except ValueError as e:
-                raise ApiError(400, str(e), param) from None
+                # GrammarCompiler.constraint's refusals start so; any other is the prompt's.
+                bad_constraint = str(e).startswith("invalid structured output")
+                raise ApiError(400, str(e), structured_param if bad_constraint and
+                               structured_param else param) from None
     return out
 
 
@@ -291,14 +422,16 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
     n, stream, include_usage = _check_common(body, served)
     prompts = _prompts(body, served.tokenizer)
     max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    params = sampling_params(body, max_tokens)
+    structured, structured_param = structured_output(body)
+    params = sampling_params(body, max_tokens, completion_logprobs(body), structured)
     for ids in prompts:
         _context_check(len(ids), max_tokens, served, "prompt")
     response_id = _response_id(body, "cmpl")
     requests = _requests(make_request, response_id, [dict(prompt_token_ids=p) for p in prompts],
-                         params, n, arrival_s, "prompt")
+                         params, n, arrival_s, "prompt", structured_param)
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
-               include_usage, _bool(body, "return_token_ids", False))
+               include_usage, _bool(body, "return_token_ids", False),
+               served.token_text if params.logprobs is not None else None)
 
 
 def chat_messages(messages: object) -> list[dict[str, str]]:
@@ -344,13 +477,15 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     if max_tokens is None:  # OpenAI's chat default: as long as the context allows
         max_tokens = served.max_model_len - len(prompt_ids)
         _context_check(len(prompt_ids), 1, served, "messages")
-    params = sampling_params(body, max_tokens)
+    structured, structured_param = structured_output(body)
+    params = sampling_params(body, max_tokens, chat_logprobs(body), structured)
     _context_check(len(prompt_ids), max_tokens, served, "messages")
     response_id = _response_id(body, "chatcmpl")
     requests = _requests(make_request, response_id, [dict(prompt_token_ids=prompt_ids)],
-                         params, n, arrival_s, "messages")
+                         params, n, arrival_s, "messages", structured_param)
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
-               include_usage, _bool(body, "return_token_ids", False))
+               include_usage, _bool(body, "return_token_ids", False),
+               served.token_text if params.logprobs is not None else None)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -364,10 +499,87 @@ def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _choice(job: Job, index: int, out: RequestOutput) -> dict:
+# What a -inf logprob (a token the model cannot emit) is reported as: JSON has no infinity.
+# vLLM's value, so clients that sum or compare logprobs see what they see there.
+LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    # `>=` so that a NaN, never expected, is floored too instead of making the JSON invalid.
+    return float(value) if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def completion_logprobs_body(token_text: Callable[[int], str], entries: Sequence[TokenLogprob],
+                             text_offset: int = 0) -> dict:
+    """Completions' logprobs of `entries`: each token's text, logprob, the top alternatives as
+    {text: logprob} (OpenAI's legacy format: the chosen token is always among them, so up to
+    k + 1) and the offset of each token's text, counted from `text_offset`. Alternatives
+    whose texts coincide (partial UTF-8 bytes all decode to U+FFFD) keep the likeliest."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(token_text(token_id), _logprob(logprob))
+        top.setdefault(text, _logprob(entry.logprob))
+        tokens.append(text)
+        token_logprobs.append(_logprob(entry.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs_body(token_text: Callable[[int], str], entries: Sequence[TokenLogprob]
+                       ) -> dict:
+    """Chat's logprobs of `entries`: per token its text, logprob and UTF-8 bytes, and the top
+    k alternatives alike."""
+    return {"content": [
+        _chat_token(token_text(e.token_id), e.logprob)
+        | {"top_logprobs": [_chat_token(token_text(t), lp) for t, lp in e.top]}
+        for e in entries]}
+
+
+@dataclasses.dataclass
+class LogprobCursor:
+    """How far one streamed choice's events have carried its logprobs: entries sent and the
+    text offset of the next token (completions count offsets over the whole choice)."""
+
+    tokens: int = 0
+    text_offset: int = 0
+
+
+def _logprobs_of(job: Job, out: RequestOutput, cursor: LogprobCursor | None = None
+                 ) -> dict | None:
+    """The logprobs of `out`'s tokens past `cursor` (all of them without one), advancing it.
+
+    They cover every token of `token_ids`, as the engine reports them, also when a stop string
+    cut the text short of the last tokens (as vLLM reports the logprobs of generated tokens):
+    lengths then agree with token_ids and usage, not with the text."""
+    if job.token_text is None:
+        return None
+    entries = out.logprobs or []
+    start, offset = (cursor.tokens, cursor.text_offset) if cursor is not None else (0, 0)
+    new = entries[start:]
+    if job.kind == "chat":
+        body = chat_logprobs_body(job.token_text, new)
+    else:
+        body = completion_logprobs_body(job.token_text, new, offset)
+    if cursor is not None:
+        cursor.tokens = len(entries)
+        cursor.text_offset = offset + sum(len(t) for t in body.get("tokens", ()))
+    return body
+
+
+def _choice(job: Job, index: int, out: RequestOutput, logprobs: dict | None) -> dict:
     """A choice's fields other than its text; the finish reason once it has finished (a
     FinishReason's value is OpenAI's string)."""
-    choice: dict = {"index": index, "logprobs": None,
+    choice: dict = {"index": index, "logprobs": logprobs,
                     "finish_reason": out.finish_reason.value if out.finished else None,
                     "stop_reason": None, "seed": out.seed}
     if job.return_token_ids:
@@ -386,16 +598,21 @@ def response(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     """The whole non-streamed answer, once every choice has finished."""
     return {"id": job.response_id, "object": _object(job, False), "created": job.created,
             "model": job.model,
-            "choices": [_choice(job, i, o) | ({"message": {"role": "assistant", "content": o.text}}
-                                              if job.kind == "chat" else {"text": o.text})
+            "choices": [_choice(job, i, o, _logprobs_of(job, o))
+                        | ({"message": {"role": "assistant", "content": o.text}}
+                           if job.kind == "chat" else {"text": o.text})
                         for i, o in enumerate(outputs)],
             "usage": usage(job, outputs)}
 
 
-def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool) -> dict:
+def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool,
+          cursor: LogprobCursor | None = None) -> dict:
     """One stream event of one choice: its new text since the last event (possibly "" when a
-    token ends inside a UTF-8 character). A chat stream's first delta names the role."""
-    choice = _choice(job, index, out)
+    token ends inside a UTF-8 character). A chat stream's first delta names the role. With
+    logprobs, the event carries those of the tokens past `cursor` (one per choice, advanced
+    here; None: all so far), in the endpoint's format, so that the events' lists concatenate
+    to the whole answer's."""
+    choice = _choice(job, index, out, _logprobs_of(job, out, cursor))
     if job.kind == "chat":
         choice["delta"] = ({"role": "assistant", "content": delta} if first
                            else {"content": delta} if delta or not out.finished else {})

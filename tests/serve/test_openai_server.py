@@ -164,12 +164,12 @@ BAD = [
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(frequency_penalty=1.0), "frequency_penalty"),
     (dict(repetition_penalty=1.2), "repetition_penalty"), (dict(logit_bias={"5": 3}), "logit_bias"),
-    (dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"), (dict(suffix="x"), "suffix"),
+    (dict(logprobs=21), "logprobs"), (dict(echo=True), "echo"), (dict(suffix="x"), "suffix"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(seed=-3), "seed"), (dict(seed="7"), "seed"), (dict(top_k=1.5), "top_k"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(prompt=""), "prompt"), (dict(prompt=[]), "prompt"), (dict(prompt=[49152]), "prompt"),
-    (dict(ignore_eos="yes"), "ignore_eos"), (dict(response_format={"type": "json_object"}),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(response_format={"type": "json_schema"}),
                                              "response_format"),
 ]
 
