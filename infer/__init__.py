@@ -9,6 +9,8 @@ import importlib
 _EXPORTS = {
     "LLM": "infer.llm",
     "SamplingParams": "infer.sampling_params",
+    "StructuredOutput": "infer.sampling_params",
+    "TokenLogprob": "infer.engine.request",
     "RequestOutput": "infer.engine.request",
     "RequestMetrics": "infer.engine.request",
     "FinishReason": "infer.engine.request",
