@@ -1,9 +1,11 @@
 """Shared by the experiment scripts: environment record, machine ceilings, timing, JSONL results
-(written row by row, resumable), the peers' package check, the one `__main__` wrapper
-(`run_main`) and the one figure preamble (`new_figure`, `save_figure`)."""
+(written row by row, resumable), the peers' package check, the devices of the one engine a
+step-record experiment measures (`one_engine`), the one `__main__` wrapper (`run_main`) and the
+one figure preamble (`new_figure`, `save_figure`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import importlib.util
@@ -13,9 +15,18 @@ import os
 import platform
 import subprocess
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
+
+if TYPE_CHECKING:  # JAX starts only in the experiments that run a model
+    from jax.sharding import Mesh
+
+    from infer.engine.engine import Engine
+    from infer.io.tokenizer import Tokenizer
+    from infer.model.config import LlamaConfig
+    from infer.model.llama import Llama
+    from infer.parallel.mesh import ParallelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "results")
@@ -206,6 +217,71 @@ def define_resume_flag(flag_values: Any) -> None:
     flags.DEFINE_bool("resume", False, "keep the rows already in --out and measure only the "
                       "sweep points that have none (same flags as the interrupted run)",
                       flag_values=flag_values)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneEngine:
+    """The devices of the one engine an experiment measures (`one_engine`): a mesh of
+    `parallel.tensor_parallel_size` devices, or the default device alone, for `model`."""
+
+    parallel: ParallelConfig
+    model: str = "smollm2-135m"
+
+    @property
+    def point(self) -> dict[str, Any]:
+        """What a sweep point adds for these devices: nothing on one device, so rows measured
+        before the parallel flags keep their keys (and --resume finds them)."""
+        if self.parallel.is_single_device:
+            return {}
+        return {"tensor_parallel_size": self.parallel.tensor_parallel_size,
+                "pad_heads": self.parallel.pad_heads}
+
+    def place(self, host_model: Llama) -> tuple[Llama, Mesh | None]:
+        """(model, mesh) of a model whose weights are on the host (`load_on_host`): heads laid
+        out for the mesh and the weights placed on it; no mesh on one device."""
+        from infer.parallel.placement import place_replicas
+
+        (model, mesh), = place_replicas(host_model, self.parallel)
+        return model, mesh
+
+    def load(self, dtype: str) -> tuple[LlamaConfig, Llama, Tokenizer, Mesh | None]:
+        """(config, model, tokenizer, mesh): the model read on the host and `place`d, so a
+        model split over devices never passes through one device whole."""
+        from infer.io.loader import load_on_host
+
+        config, host_model, tokenizer = load_on_host(self.model, dtype)
+        placed, mesh = self.place(host_model)
+        return config, placed, tokenizer, mesh
+
+
+def one_engine(experiment: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+               pad_heads: bool = False, model: str = "smollm2-135m") -> OneEngine:
+    """The parallel flags (`infer.parallel.flags`) of an experiment that measures one engine's
+    step records, checked before any work: data parallelism is refused (D engines' records are
+    not one step's), and too few devices or heads that do not split fail in one line before
+    the model loads."""
+    from infer.model.config import get_config
+    from infer.parallel.heads import head_layout
+    from infer.parallel.mesh import ParallelConfig
+
+    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads)
+    if parallel.data_parallel_size != 1:
+        raise ValueError(f"{experiment} measures one engine's step records: run data-parallel "
+                         f"replicas through LLM (data_parallel_size) instead")
+    parallel.replica_meshes()
+    if not parallel.is_single_device:
+        # The preset's shape: the checkpoint takes seconds to read, the layout check none.
+        head_layout(get_config(model), tensor_parallel_size, pad_heads)
+    return OneEngine(parallel, model)
+
+
+def engine_devices(engine: Engine) -> int:
+    """The devices `engine`'s KV cache is split over: what a row records to show where its
+    steps ran (the flags say only what was asked)."""
+    import jax
+
+    return len({d for leaf in jax.tree.leaves(engine.runner.cache)
+                for d in leaf.sharding.device_set})
 
 
 # Peer implementations of the benchmarks: the modules each imports, and the extra of

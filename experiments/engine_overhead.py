@@ -17,6 +17,13 @@ the host's work with the device's gains. The breakdown is the means of `StepReco
 over the timed steps, which add up to the mean step (`engine_step_mean_ms`); with async
 scheduling (the engine's default) a step's inputs are those of the step planned ahead, and its
 device time is only what the host waited for, the rest being hidden behind host work.
+
+--tensor_parallel_size=T runs the engine's steps on a mesh of T devices (--pad_heads as in
+`LLM`). The plain loop and HF run on one device only, and a ratio of a split engine to a
+one-device loop would count the split as overhead, so with T > 1 both comparisons are refused
+until turned off (--noplain --peers=none), and the rows leave out the bandwidth floor, a
+one-device figure: they hold the engine's steps and breakdown alone. --data_parallel_size is
+refused: the experiment times one engine's steps.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 from absl import flags
 
 from experiments.common import define_resume_flag
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
@@ -32,14 +40,19 @@ flags.DEFINE_integer("tokens", 32, "tokens generated per request in a timed run"
 flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 5, "timed runs per point", flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers timed in the same run: hf, or none", flag_values=FLAGS)
+flags.DEFINE_bool("plain", True, "time the plain loops (contiguous and paged) beside the engine",
+                  flag_values=FLAGS)
 flags.DEFINE_string("out", "results/engine_overhead.jsonl", "JSONL output", flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 PHASES = ("schedule", "inputs", "device", "output")
 
 
 def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: int,
-        repeats: int, peers: list[str], out: str, resume: bool = False) -> list[dict]:
+        repeats: int, peers: list[str], out: str, resume: bool = False, plain: bool = True,
+        tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+        pad_heads: bool = False) -> list[dict]:
     """One row per (dtype, batch), appended to `out` as it is measured; the table from the
     file."""
     import dataclasses
@@ -50,19 +63,29 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, first_and_step_time, hf_greedy, load_hf_smollm2,
-                                    markdown_table, measure_ceilings, usable_peers)
+    from experiments.common import (ResultLog, engine_devices, first_and_step_time, hf_greedy,
+                                    load_hf_smollm2, markdown_table, measure_ceilings, one_engine,
+                                    usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.buckets import window_bucket
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.engine import Engine, EngineConfig
     from infer.engine.simple_loop import PagedLayout, decode_stream
-    from infer.io.loader import load
     from infer.sampling_params import SamplingParams
 
     if tokens < 4:
         raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    devices = one_engine("engine_overhead", tensor_parallel_size=tensor_parallel_size,
+                         data_parallel_size=data_parallel_size, pad_heads=pad_heads)
+    split = not devices.parallel.is_single_device
+    asked = [name for name, on in (("--noplain", plain),
+                                   ("--peers=none", any(p != "none" for p in peers))) if on]
+    if split and asked:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the plain loop and HF "
+                         f"run on one device, so their ratios to a split engine would count "
+                         f"the split as overhead; pass {' '.join(asked)} to time the engine "
+                         f"alone")
     peers = usable_peers(peers, "engine_overhead")  # before any work
     log = ResultLog(out, resume=resume)
     ceilings = functools.cache(measure_ceilings)
@@ -91,7 +114,8 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         return [r for r in engine.step_records(since)
                 if r.kind == "decode" and r.decode_rows == len(prompts)]
 
-    def measure(dtype: str, b: int, model, config, tokenizer, steps: DeviceSteps) -> dict:
+    def measure(dtype: str, b: int, model, config, tokenizer, mesh,
+                steps: DeviceSteps | None) -> dict:
         prompts = consecutive_prompts(text_ids(tokenizer, 200_000), b, prompt_len)
         model_len = prompt_len + tokens + 2 * b
         if window_bucket(model_len) != window_bucket(prompt_len + tokens):
@@ -100,31 +124,36 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                              f"or --tokens")
         engine_config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
                                      max_model_len=model_len)
-        engine = Engine(model, tokenizer, engine_config)
+        engine = Engine(model, tokenizer, engine_config, mesh=mesh)
         # The same engine waiting for each step's tokens before planning the next.
         sync = Engine(model, tokenizer,
                       dataclasses.replace(engine_config, async_scheduling=False),
-                      runner=engine.runner)
+                      runner=engine.runner, mesh=mesh)
         cache_dtype = jax.numpy.dtype(dtype)
         paged = PagedLayout(kv_format=engine.config.kv_cache_dtype)
-        plain_steps(steps, prompts, cache_dtype)  # compiles every shape the point uses
-        plain_steps(steps, prompts, cache_dtype, paged)
+        if steps is not None:
+            plain_steps(steps, prompts, cache_dtype)  # compiles every shape the point uses
+            plain_steps(steps, prompts, cache_dtype, paged)
         engine_steps(engine, prompts)
         plain, plain_paged, records, sync_records = [], [], [], []
         for _ in range(repeats):  # interleaved, so drift in the machine's speed hits them all
-            plain += plain_steps(steps, prompts, cache_dtype)
-            plain_paged += plain_steps(steps, prompts, cache_dtype, paged)
+            if steps is not None:
+                plain += plain_steps(steps, prompts, cache_dtype)
+                plain_paged += plain_steps(steps, prompts, cache_dtype, paged)
             records += engine_steps(engine, prompts)
             sync_records += engine_steps(sync, prompts)
-        plain_ms = float(np.median(plain)) * 1e3
-        paged_ms = float(np.median(plain_paged)) * 1e3
         engine_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
         sync_ms = float(np.median([r.end_s - r.start_s for r in sync_records])) * 1e3
-        row = {"plain_step_ms": plain_ms, "plain_paged_step_ms": paged_ms,
-               "engine_step_ms": engine_ms, "engine_over_plain": engine_ms / plain_ms,
-               "engine_sync_step_ms": sync_ms, "engine_sync_over_plain": sync_ms / plain_ms,
-               "engine_over_plain_paged": engine_ms / paged_ms, "steps_timed": len(records),
-               "engine_tok_s": b / engine_ms * 1e3}
+        row = {"engine_step_ms": engine_ms, "engine_sync_step_ms": sync_ms,
+               "steps_timed": len(records), "engine_tok_s": b / engine_ms * 1e3,
+               "engine_devices": engine_devices(engine)}
+        if steps is not None:
+            plain_ms = float(np.median(plain)) * 1e3
+            paged_ms = float(np.median(plain_paged)) * 1e3
+            row |= {"plain_step_ms": plain_ms, "plain_paged_step_ms": paged_ms,
+                    "engine_over_plain": engine_ms / plain_ms,
+                    "engine_sync_over_plain": sync_ms / plain_ms,
+                    "engine_over_plain_paged": engine_ms / paged_ms}
         if "hf" in peers:
             _, hf_step = first_and_step_time(lambda n: hf_greedy(hf, prompts, n), tokens,
                                              repeats)
@@ -136,24 +165,33 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         for phase in PHASES:
             row[f"{phase}_ms"] = float(np.mean([getattr(r, f"{phase}_s") for r in records])) * 1e3
         row["other_ms"] = mean_ms - sum(row[f"{p}_ms"] for p in PHASES)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
+        if split:
+            # Per device the floor is its shard over its own bandwidth, or all bytes over a
+            # shared one (CPU virtual devices): one device's copy does not say which.
+            return row
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.device_steps.params))
         kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, dtype)
         floor_ms = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"] * 1e3
-        return {**row, "bytes_per_step": weight_bytes + kv_read, "floor_step_ms": floor_ms,
-                "plain_of_floor": floor_ms / plain_ms, "engine_of_floor": floor_ms / engine_ms,
-                **ceilings()}
+        row |= {"bytes_per_step": weight_bytes + kv_read, "floor_step_ms": floor_ms,
+                "engine_of_floor": floor_ms / engine_ms, **ceilings()}
+        if steps is not None:
+            row["plain_of_floor"] = floor_ms / row["plain_step_ms"]
+        return row
 
+    # A run without the plain loops is another point: its rows hold fewer numbers.
+    point = {**devices.point, **({} if plain else {"plain": False})}
     for dtype in dtypes:
-        config, model, tokenizer = load("smollm2-135m", dtype)
-        steps = DeviceSteps(model)
+        config, model, tokenizer, mesh = devices.load(dtype)
+        steps = DeviceSteps(model) if plain else None
         hf = load_hf_smollm2(dtype) if "hf" in peers else None
         for b in tqdm(batch_sizes, desc=f"{dtype} batch sizes"):
             log.measure({"experiment": "engine_overhead", "model": config.name, "dtype": dtype,
                          "batch": b, "prompt_len": prompt_len, "tokens": tokens,
-                         "repeats": repeats},
-                        lambda b=b: measure(dtype, b, model, config, tokenizer, steps))
+                         "repeats": repeats, **point},
+                        lambda b=b: measure(dtype, b, model, config, tokenizer, mesh, steps))
     rows = log.rows()
-    print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (this run)")
+    if "copy_bandwidth_Bps" in rows[0]:
+        print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (this run)")
     print(markdown_table(rows, [("dtype", "dtype"), ("batch", "batch"),
                                 ("plain_step_ms", "plain ms"),
                                 ("plain_paged_step_ms", "plain paged ms"),

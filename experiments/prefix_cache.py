@@ -9,6 +9,10 @@ the real PageAllocator and PrefixCache: each request matches its prompt, takes t
 leaving the pages to the cache. A cache capped at 500 pages under LRU eviction is compared with
 an unlimited one; hit rates are by requests (>= 1 page matched) and by prompt tokens.
 Prefix lengths are not page multiples, so a hit reuses the prefix rounded down to whole pages.
+
+Parts 2 and 3 (`system`, `chat`) serve SmolLM2 through the engine with the cache off and on;
+--tensor_parallel_size=T runs that engine on a mesh of T devices (--pad_heads as in `LLM`), and
+--data_parallel_size is refused: the parts count one engine's prefill steps.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from absl import flags
 from experiments.common import define_resume_flag
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.prefix_cache import PrefixCache
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["alone", "system", "chat"], "parts to run: alone (cache only, no "
@@ -47,6 +52,7 @@ flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/prefix_cache.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 VOCAB = 49152  # SmolLM2's: random token ids never collide by accident
 
@@ -137,11 +143,11 @@ def run_cache_alone(**kwargs: Any) -> list[dict]:
 # -- parts 2 and 3: the real model through the engine ---------------------------------------------
 
 
-def _engine(model, tokenizer, caching: bool, max_model_len: int):
+def _engine(model, tokenizer, mesh, caching: bool, max_model_len: int):
     from infer.engine.engine import Engine, EngineConfig
     return Engine(model, tokenizer, EngineConfig(
         max_num_seqs=8, max_prefill_tokens=256, max_model_len=max_model_len,
-        enable_prefix_caching=caching))
+        enable_prefix_caching=caching), mesh=mesh)
 
 
 def system_prompt_workload(tokenizer, *, num_requests: int, system_tokens: int, rate: float,
@@ -164,30 +170,34 @@ def system_prompt_workload(tokenizer, *, num_requests: int, system_tokens: int, 
         for a, q in zip(arrivals, questions)]
 
 
-def run_system_prompt(model, tokenizer, work: list, caching: bool) -> dict:
-    """The system-prompt workload served with the prefix cache on or off: one row."""
+def run_system_prompt(model, tokenizer, mesh, work: list, caching: bool) -> dict:
+    """The system-prompt workload served with the prefix cache on or off (the engine on `mesh`,
+    or on one device without): one row."""
+    from experiments.common import engine_devices
     from experiments.serve import serve_infer
     from infer.engine.metrics import summarize
 
-    engine = _engine(model, tokenizer, caching, 2048)
+    engine = _engine(model, tokenizer, mesh, caching, 2048)
     engine.warmup(progress=True)
     metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
     return {"system_prompt_tokens": len(work[0].prompt_ids) - 48,
             "prefill_tokens_computed": sum(r.prefill_tokens for r in records),
+            "engine_devices": engine_devices(engine),
             **engine.prefix_cache_stats(), **summarize(metrics, wall, records)}
 
 
-def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns: int,
+def run_multi_turn(model, tokenizer, mesh, *, caching: bool, conversations: int, turns: int,
                    max_tokens: int, seed: int) -> dict:
     """Chats where each turn sends the whole conversation so far plus a new question: every
     turn's prompt extends the previous one's, answer included. One row; the questions depend
     only on `seed`, so runs with the cache on and off ask the same."""
+    from experiments.common import engine_devices
     from experiments.workloads import text_ids
     from infer.sampling_params import SamplingParams
 
     text = text_ids(tokenizer, 40_000, 250_000)
     rng = np.random.default_rng(seed)
-    engine = _engine(model, tokenizer, caching, 2048)
+    engine = _engine(model, tokenizer, mesh, caching, 2048)
     engine.warmup(progress=True)
     chats = [[{"role": "system", "content": "You are a helpful assistant."}]
              for _ in range(conversations)]
@@ -209,7 +219,8 @@ def run_multi_turn(model, tokenizer, *, caching: bool, conversations: int, turns
             ttft.append(done[i].metrics.ttft_s)
     return {"prefill_tokens_computed": computed,
             "ttft_s_p50": float(np.percentile(ttft, 50)),
-            "ttft_s_p99": float(np.percentile(ttft, 99)), **engine.prefix_cache_stats()}
+            "ttft_s_p99": float(np.percentile(ttft, 99)), "engine_devices": engine_devices(engine),
+            **engine.prefix_cache_stats()}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -248,16 +259,19 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
         alone_suffix_tokens: tuple[int, int], alone_page_size: int, alone_max_pages: list[int],
         system_requests: int, system_prompt_tokens: int, system_rate: float,
         chat_conversations: int, chat_turns: int, max_tokens: int, seed: int,
-        out: str, resume: bool = False) -> list[dict]:
+        out: str, resume: bool = False, tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1, pad_heads: bool = False) -> list[dict]:
     """The parts' rows, each appended to `out` as it is measured (with `resume`, points already
     there are not measured again); tables and plot from the file."""
     import functools
 
-    from experiments.common import ResultLog, markdown_table, plot_path
+    from experiments.common import ResultLog, markdown_table, one_engine, plot_path
 
     unknown = set(parts) - {"alone", "system", "chat"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
+    devices = one_engine("prefix_cache", tensor_parallel_size=tensor_parallel_size,
+                         data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     log = ResultLog(out, resume=resume)
     rows = []
     if "alone" in parts:
@@ -279,9 +293,8 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
     if {"system", "chat"} & set(parts):
         @functools.cache
         def loaded():
-            from infer.io.loader import load
-            _, model, tokenizer = load("smollm2-135m")
-            return model, tokenizer
+            _, model, tokenizer, mesh = devices.load("float32")
+            return model, tokenizer, mesh
 
         @functools.cache
         def system_work():
@@ -289,7 +302,8 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
                 loaded()[1], num_requests=system_requests, system_tokens=system_prompt_tokens,
                 rate=system_rate, max_tokens=max_tokens, seed=seed)
 
-        base = {"experiment": "prefix_cache", "max_tokens": max_tokens, "seed": seed}
+        base = {"experiment": "prefix_cache", "max_tokens": max_tokens, "seed": seed,
+                **devices.point}
         for caching in (False, True):
             if "system" in parts:
                 log.measure({**base, "part": "system", "caching": caching,

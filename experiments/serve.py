@@ -240,7 +240,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     """Serves the workload with each policy and peer; returns this run's rows, as `out` holds
     them (each appended the moment it is measured; with `resume`, ones already there are kept
     and not measured again)."""
-    from experiments.common import ResultLog, load_hf_smollm2, plot_path
+    from experiments.common import ResultLog, engine_devices, load_hf_smollm2, one_engine, plot_path
 
     # Before any work: a missing package or binary, or a policy misspelt, is one line.
     for policy in policies:
@@ -248,23 +248,16 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         if scheduler not in ("static", "continuous") or (plus and variant != "mixed"):
             raise ValueError(f"policy {policy!r}: want static or continuous, optionally with "
                              f"+mixed")
-    if data_parallel_size != 1:
-        raise ValueError("serve measures one engine's step records: run data-parallel replicas "
-                         "through LLM (data_parallel_size) instead")
+    devices = one_engine("serve", tensor_parallel_size=tensor_parallel_size,
+                         data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     del dp_routing  # one replica: nothing to route
-    from infer.parallel.mesh import ParallelConfig
-    parallel = ParallelConfig(tensor_parallel_size, 1, pad_heads)
-    parallel.replica_meshes()  # too few devices: one line, before the model loads
     peers = serve_peers(peers, llama_server, dtype, "serve")
     log = ResultLog(out, resume=resume)
     from infer.engine.engine import Engine, EngineConfig
     from infer.engine.metrics import summarize
     from infer.io.checkpoint import smollm2_gguf_path
-    from infer.io.loader import load_on_host
-    from infer.parallel.placement import place_replicas
 
-    config, host_model, tokenizer = load_on_host("smollm2-135m", dtype)
-    (model, mesh), = place_replicas(host_model, parallel)
+    _, model, tokenizer, mesh = devices.load(dtype)
     work = make_workload(text_ids(tokenizer, 400_000), num_requests=num_requests, rate=rate,
                          prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                          output_scale=output_scale, output_cap=output_cap, seed=seed)
@@ -274,9 +267,7 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
     workload = dict(experiment="serve", num_requests=num_requests, rate=rate,
                     prompt_min=prompt_min, prompt_max=prompt_max, output_shape=output_shape,
                     output_scale=output_scale, output_cap=output_cap, seed=seed,
-                    max_num_seqs=max_num_seqs, dtype=dtype)
-    if not parallel.is_single_device:  # one-device rows keep their keys (and --resume)
-        workload.update(tensor_parallel_size=tensor_parallel_size, pad_heads=pad_heads)
+                    max_num_seqs=max_num_seqs, dtype=dtype, **devices.point)
     runners = {}  # by mixed_steps: the programs differ
 
     def serve_policy(policy: str) -> dict:
@@ -295,7 +286,8 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         # The plot's slot-utilization timeline travels in the row, so a resumed run can draw it.
         timeline = [[round(r.start_s - start, 4), round(r.end_s - start, 4),
                      round(r.slot_utilization, 4)] for r in records if r.kind != "idle"]
-        return {**summarize(metrics, wall, records), "timeline": timeline}
+        return {**summarize(metrics, wall, records), "timeline": timeline,
+                "engine_devices": engine_devices(engine)}
 
     def serve_hf_peer() -> dict:
         hf = load_hf_smollm2(dtype)

@@ -38,6 +38,10 @@ which is what the formula's alpha means; the acceptance rate (accepted / propose
 it, since drafts after a rejection count as proposed but are never judged.
 
 Output: results/speculation.jsonl, Markdown tables on stdout, results/speculation.png.
+
+The parallel flags are `LLM`'s, but speculative decoding runs on one device (its proposers are
+not placed on a mesh) and the rows time one engine's steps: --tensor_parallel_size and
+--data_parallel_size other than 1 are refused before any work.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from absl import flags
 
 from experiments.common import define_resume_flag
 from experiments.workloads import build_prompts  # the prompts of both parts
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
@@ -82,6 +87,7 @@ flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_value
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 WEIGHT_PATHS = {"draft": "draft_path", "eagle": "eagle_path"}  # SpeculativeConfig fields
 
@@ -598,15 +604,21 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
         seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
-        eagle_path: str | None = None, resume: bool = False) -> list[dict[str, Any]]:
+        eagle_path: str | None = None, resume: bool = False, tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1) -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
     it is measured; with `resume`, points already there are not measured again). `loaded` is
     (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
     "chat": ...} token ids) and `eagle_path` replace the defaults (tests run a tiny model
     this way)."""
-    from experiments.common import ResultLog, markdown_table, plot_path
+    from experiments.common import ResultLog, markdown_table, one_engine, plot_path
     from infer.io.loader import load
 
+    if tensor_parallel_size != 1:
+        raise ValueError(f"speculation: tensor_parallel_size={tensor_parallel_size}, but "
+                         f"speculative decoding runs on one device (its proposers are not "
+                         f"placed on a mesh)")
+    one_engine("speculation", data_parallel_size=data_parallel_size)
     loaded = loaded or load("smollm2-135m", "float32")
     log = ResultLog(out, resume=resume)
     if "engine" in parts:

@@ -12,6 +12,9 @@ the host fills each constrained row's bitmask while building the step's inputs (
 device applies it in the step (`device_ms`). A constrained step is also never planned ahead
 (its mask needs the token in flight), so what async scheduling hid comes back into the step:
 `planned_ahead` is the share of steps that were.
+
+--tensor_parallel_size=T runs the engine on a mesh of T devices (--pad_heads as in `LLM`);
+--data_parallel_size is refused: the experiment times one engine's steps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from absl import flags
 
 from experiments.common import define_resume_flag
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8"], "decode batch sizes", flag_values=FLAGS)
@@ -31,6 +35,7 @@ flags.DEFINE_integer("layers", 0, "run on the model's first N layers only (0: al
                      "checks, the figures are the full model's", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/structured_cost.jsonl", "JSONL output", flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 PHASES = ("schedule", "inputs", "device", "output")
 
@@ -53,17 +58,19 @@ def constraint_for(kind: str, tokens: int):
 
 
 def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_len: int,
-        repeats: int, layers: int, out: str, resume: bool = False) -> list[dict]:
+        repeats: int, layers: int, out: str, resume: bool = False,
+        tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+        pad_heads: bool = False) -> list[dict]:
     """One row per (batch, constraint), appended to `out` as it is measured."""
     import time
 
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import ResultLog, markdown_table
+    from experiments.common import ResultLog, engine_devices, markdown_table, one_engine
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.engine.engine import Engine, EngineConfig
-    from infer.io.loader import load
+    from infer.io.loader import load_on_host
     from infer.sampling_params import SamplingParams
     from infer.spec.draft_model import self_draft
     from infer.structured import mask_words
@@ -71,10 +78,12 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
     specs = {kind: constraint_for(kind, tokens) for kind in constraints}  # checks them first
     if tokens < 4:
         raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    devices = one_engine("structured_cost", tensor_parallel_size=tensor_parallel_size,
+                         data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     log = ResultLog(out, resume=resume)
-    config, model, tokenizer = load("smollm2-135m", "float32")
-    if layers:
-        model = self_draft(model, layers)
+    config, host_model, tokenizer = load_on_host(devices.model, "float32")
+    # Sliced before placement: only the layers kept go to (and split over) the mesh.
+    model, mesh = devices.place(self_draft(host_model, layers) if layers else host_model)
     ids = text_ids(tokenizer, 200_000)
 
     def engine_run(engine: Engine, prompts: list[list[int]], spec) -> tuple[list, list]:
@@ -105,7 +114,7 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
         prompts = consecutive_prompts(ids, b, prompt_len)
         engine = Engine(model, tokenizer, EngineConfig(
             max_num_seqs=b, max_prefill_tokens=prompt_len,
-            max_model_len=prompt_len + tokens + 2 * b))
+            max_model_len=prompt_len + tokens + 2 * b), mesh=mesh)
         for spec in specs.values():
             engine_run(engine, prompts, spec)  # compiles every program the point uses
         timed: dict[str, tuple[list, list]] = {k: ([], []) for k in specs}
@@ -121,7 +130,7 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
                 step_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
                 row = {"step_ms": step_ms, "steps_timed": len(records),
                        "planned_ahead": float(np.mean([r.planned_ahead for r in records])),
-                       "tok_s": b / step_ms * 1e3}
+                       "tok_s": b / step_ms * 1e3, "engine_devices": engine_devices(engine)}
                 for phase in PHASES:
                     row[f"{phase}_ms"] = float(np.mean([getattr(r, f"{phase}_s")
                                                         for r in records])) * 1e3
@@ -135,7 +144,8 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
 
             log.measure({"experiment": "structured_cost", "model": config.name,
                          "layers": layers or config.num_layers, "batch": b, "constraint": kind,
-                         "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats},
+                         "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats,
+                         **devices.point},
                         measure)
     rows = log.rows()
     bases = {r["batch"]: r["step_ms"] for r in rows if r["constraint"] == "none"}

@@ -1,12 +1,13 @@
 """experiments/structured_cost.py end to end on SmolLM2's first 2 layers: each constraint's row
 decodes as many full-batch steps as the unconstrained one (the constraints cannot complete
-early), and its breakdown stays within the step it splits."""
+early), and its breakdown stays within the step it splits; with tensor_parallel_size=3 the
+engine runs split over 3 devices and the row's point says so, one-device rows keep their keys."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments import structured_cost
+from experiments import common, structured_cost
 
 pytest.importorskip("llguidance")
 
@@ -27,6 +28,25 @@ def test_every_constraint_decodes_the_same_steps(tmp_path) -> None:
                                                           / by_kind["none"]["step_ms"])
     assert by_kind["none"]["planned_ahead"] > 0
     assert "fill_ms" not in by_kind["none"]
+    # One device: the point as before the parallel flags, so --resume finds old rows.
+    assert all(r["engine_devices"] == 1 and "tensor_parallel_size" not in r for r in rows)
+
+
+def test_a_split_engine_runs_on_its_mesh_and_keys_its_rows_apart(tmp_path) -> None:
+    # SmolLM2's 3 KV heads split natively over 3 of tests/conftest.py's virtual devices.
+    rows = structured_cost.run(batch_sizes=[2], constraints=["none", "regex"], tokens=5,
+                               prompt_len=16, repeats=1, layers=2, tensor_parallel_size=3,
+                               out=str(tmp_path / "s.jsonl"))
+    assert {r["constraint"] for r in rows} == {"none", "regex"}
+    for row in rows:
+        assert row["tensor_parallel_size"] == 3 and row["pad_heads"] is False
+        assert row["engine_devices"] == 3  # the KV cache is split, not only the flag set
+        assert row["steps_timed"] > 0 and row["step_ms"] > 0
+    single = {"experiment": "structured_cost", "model": rows[0]["model"], "layers": 2,
+              "batch": 2, "constraint": "none", "tokens": 5, "prompt_len": 16, "repeats": 1}
+    assert rows[0]["key"] != common.row_key(single)
+    assert rows[0]["key"] == common.row_key({**single, "tensor_parallel_size": 3,
+                                             "pad_heads": False})
 
 
 def test_an_unknown_constraint_is_refused_before_any_work(tmp_path) -> None:
