@@ -7,11 +7,13 @@ Each constraint is made so that it cannot complete within `--tokens` tokens (a s
 least 16 characters a token), so every run decodes the same number of steps. A step's time is
 the median over the full-batch decode steps of every repeat (`StepRecord.end_s - start_s`);
 its phases are means, as in `experiments.engine_overhead`. The mask's two costs show apart:
-the host fills each constrained row's bitmask while building the step's inputs (`inputs_ms`;
-`fill_ms` times llguidance's fill alone, replayed along the tokens the run produced), and the
-device applies it in the step (`device_ms`). A constrained step is also never planned ahead
-(its mask needs the token in flight), so what async scheduling hid comes back into the step:
-`planned_ahead` is the share of steps that were.
+the host fills the constrained rows' bitmask while building the step's inputs (`inputs_ms`;
+`fill_ms` times llguidance's fill of a step's rows alone, replayed along the tokens the run
+produced), and the device applies it in the step (`device_ms`). A constrained step is also
+never planned ahead (its mask needs the token in flight), so what async scheduling hid comes
+back into the step: `planned_ahead` is the share of steps that were, and the unconstrained
+run is timed a second time without async scheduling (the same runner), the baseline that
+leaves the mask's own cost (`× none, no async`).
 
 --tensor_parallel_size=T runs the engine on a mesh of T devices (--pad_heads as in `LLM`);
 --data_parallel_size is refused: the experiment times one engine's steps.
@@ -61,7 +63,9 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
         repeats: int, layers: int, out: str, resume: bool = False,
         tensor_parallel_size: int = 1, data_parallel_size: int = 1,
         pad_heads: bool = False) -> list[dict]:
-    """One row per (batch, constraint), appended to `out` as it is measured."""
+    """One row per (batch, constraint), and one for no constraint without async scheduling,
+    appended to `out` as each is measured."""
+    import dataclasses
     import time
 
     import numpy as np
@@ -73,7 +77,7 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
     from infer.io.loader import load_on_host
     from infer.sampling_params import SamplingParams
     from infer.spec.draft_model import self_draft
-    from infer.structured import mask_words
+    from infer.structured import fill_bitmask, mask_words
 
     specs = {kind: constraint_for(kind, tokens) for kind in constraints}  # checks them first
     if tokens < 4:
@@ -98,65 +102,84 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
         return records, [outputs[r] for r in rids]
 
     def fill_times(engine: Engine, spec, outputs: list) -> list[float]:
-        """llguidance's fill of one row, replayed along each output's tokens."""
-        times, mask = [], np.zeros((1, mask_words(config.vocab_size)), np.int32)
-        for out_ in outputs:
-            constraint = engine.make_request(prompt_token_ids=[0], params=SamplingParams(
-                structured=spec, max_tokens=1)).constraint
-            for token in out_.token_ids:
-                start = time.perf_counter()
-                constraint.fill(mask, 0)
-                times.append(time.perf_counter() - start)
-                constraint.consume(token)
+        """llguidance's fill of a step's constrained rows (one call, as the runner makes it),
+        replayed along the outputs' tokens: one time per step, for the outputs of one run."""
+        times = []
+        for start in range(0, len(outputs), b):
+            run_outputs = outputs[start:start + b]
+            constraints = [engine.make_request(prompt_token_ids=[0], params=SamplingParams(
+                structured=spec, max_tokens=1)).constraint for _ in run_outputs]
+            mask = np.zeros((len(run_outputs), mask_words(config.vocab_size)), np.int32)
+            for step in range(min(len(o.token_ids) for o in run_outputs)):
+                begin = time.perf_counter()
+                fill_bitmask(list(enumerate(constraints)), mask)
+                times.append(time.perf_counter() - begin)
+                for constraint, o in zip(constraints, run_outputs):
+                    constraint.consume(o.token_ids[step])
         return times
 
     for b in tqdm(batch_sizes, desc="batch sizes"):
         prompts = consecutive_prompts(ids, b, prompt_len)
-        engine = Engine(model, tokenizer, EngineConfig(
-            max_num_seqs=b, max_prefill_tokens=prompt_len,
-            max_model_len=prompt_len + tokens + 2 * b), mesh=mesh)
-        for spec in specs.values():
-            engine_run(engine, prompts, spec)  # compiles every program the point uses
-        timed: dict[str, tuple[list, list]] = {k: ([], []) for k in specs}
+        engine_config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
+                                     max_model_len=prompt_len + tokens + 2 * b)
+        engine = Engine(model, tokenizer, engine_config, mesh=mesh)
+        # A constrained step is never planned ahead: the same runner without async scheduling
+        # is the baseline that isolates the mask's own cost.
+        sync = Engine(model, tokenizer, dataclasses.replace(engine_config,
+                                                            async_scheduling=False),
+                      runner=engine.runner, mesh=mesh)
+        runs = [(kind, spec, engine, True) for kind, spec in specs.items()]
+        if "none" in specs:
+            runs.append(("none", None, sync, False))
+        for _, spec, eng, _ in runs:
+            engine_run(eng, prompts, spec)  # compiles every program the point uses
+        timed = [([], []) for _ in runs]
         for _ in range(repeats):  # interleaved, so drift in the machine's speed hits all
-            for kind, spec in specs.items():
-                records, outputs = engine_run(engine, prompts, spec)
-                timed[kind][0].extend(records)
-                timed[kind][1].extend(outputs)
-        for kind, spec in specs.items():
-            records, outputs = timed[kind]
+            for (kind, spec, eng, _), (records, outputs) in zip(runs, timed):
+                got_records, got_outputs = engine_run(eng, prompts, spec)
+                records.extend(got_records)
+                outputs.extend(got_outputs)
+        for (kind, spec, eng, planned), (records, outputs) in zip(runs, timed):
 
-            def measure(records=records, outputs=outputs, spec=spec, engine=engine) -> dict:
+            def measure(records=records, outputs=outputs, spec=spec, eng=eng) -> dict:
                 step_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
                 row = {"step_ms": step_ms, "steps_timed": len(records),
                        "planned_ahead": float(np.mean([r.planned_ahead for r in records])),
-                       "tok_s": b / step_ms * 1e3, "engine_devices": engine_devices(engine)}
+                       "tok_s": b / step_ms * 1e3, "engine_devices": engine_devices(eng)}
                 for phase in PHASES:
                     row[f"{phase}_ms"] = float(np.mean([getattr(r, f"{phase}_s")
                                                         for r in records])) * 1e3
                 if spec is not None:
-                    fills = fill_times(engine, spec, outputs)
+                    fills = fill_times(eng, spec, outputs)
                     row |= {"fill_ms": float(np.median(fills)) * 1e3,
                             "fill_ms_p99": float(np.percentile(fills, 99)) * 1e3,
                             "finished_by_length": all(o.finish_reason.value == "length"
                                                       for o in outputs)}
                 return row
 
-            log.measure({"experiment": "structured_cost", "model": config.name,
-                         "layers": layers or config.num_layers, "batch": b, "constraint": kind,
-                         "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats,
-                         **devices.point},
-                        measure)
+            point = {"experiment": "structured_cost", "model": config.name,
+                     "layers": layers or config.num_layers, "batch": b, "constraint": kind,
+                     "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats,
+                     **devices.point}
+            if not planned:
+                point["async_scheduling"] = False
+            log.measure(point, measure)
     rows = log.rows()
-    bases = {r["batch"]: r["step_ms"] for r in rows if r["constraint"] == "none"}
     for r in rows:
-        if r["batch"] in bases:
-            r["over_unconstrained"] = r["step_ms"] / bases[r["batch"]]
+        r["async"] = r.get("async_scheduling", True)
+    bases = {(r["batch"], r["async"]): r["step_ms"] for r in rows if r["constraint"] == "none"}
+    for r in rows:
+        if (r["batch"], True) in bases:
+            r["over_unconstrained"] = r["step_ms"] / bases[r["batch"], True]
+        if (r["batch"], False) in bases:
+            r["over_unconstrained_sync"] = r["step_ms"] / bases[r["batch"], False]
     print(markdown_table(rows, [("batch", "batch"), ("constraint", "constraint"),
-                                ("step_ms", "step ms"), ("over_unconstrained", "× none"),
+                                ("async", "async"), ("step_ms", "step ms"),
+                                ("over_unconstrained", "× none"),
+                                ("over_unconstrained_sync", "× none, no async"),
                                 ("schedule_ms", "schedule ms"), ("inputs_ms", "inputs ms"),
                                 ("device_ms", "device ms"), ("output_ms", "output ms"),
-                                ("fill_ms", "fill ms/row"), ("fill_ms_p99", "fill p99 ms"),
+                                ("fill_ms", "fill ms/step"), ("fill_ms_p99", "fill p99 ms"),
                                 ("planned_ahead", "planned ahead")]))
     return rows
 

@@ -1,9 +1,10 @@
 """Structured output: a request's `StructuredOutput` compiled by llguidance into a matcher that
 says, before each sampled token, which tokens keep the output inside the constraint's language.
 
-The host side of constrained decoding, as vLLM's guidance backend does it: the engine asks a
-`TokenConstraint` for its row of an int32 bitmask (bit t of word t // 32: token t allowed)
-before every step that samples for the request, and feeds it each token the request emits.
+The host side of constrained decoding, as vLLM's guidance backend does it: before every step
+that samples for constrained requests the engine fills their rows of an int32 bitmask (bit t
+of word t // 32: token t allowed) in one call (`fill_bitmask`), and feeds each request's
+`TokenConstraint` the tokens it emits.
 The device side is `infer.sampling`'s mask, which only programs given a bitmask contain.
 
 llguidance is imported when the first constrained request arrives (the `structured` extra);
@@ -13,8 +14,9 @@ its tokenizer, built once per engine from the model's own `tokenizer.json`, take
 from __future__ import annotations
 
 import json
+import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -58,14 +60,14 @@ def grammar_source(spec: StructuredOutput) -> str:
 class TokenConstraint:
     """One request's matcher: its state follows the tokens the request has emitted."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher") -> None:
+    def __init__(self, matcher: "llguidance.LLMatcher", executor: "llguidance.LLExecutor"
+                 ) -> None:
         self._matcher = matcher
+        self._executor = executor
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Writes the tokens allowed next into row `row` of an int32 bitmask [B, words]."""
-        import llguidance.numpy
-
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        fill_bitmask([(row, self)], bitmask)
 
     def consume(self, token: int) -> None:
         """Advances past an emitted token. A token outside the mask is a bug in the path that
@@ -80,6 +82,18 @@ class TokenConstraint:
         return self._matcher.is_stopped()
 
 
+def fill_bitmask(rows: Sequence[tuple[int, TokenConstraint]], bitmask: np.ndarray) -> None:
+    """Writes each (row, constraint)'s allowed tokens into its row of an int32 bitmask
+    [B, words], in one call on llguidance's thread pool. Measured here (2 cores, SmolLM2's
+    vocabulary, 8 rows under a regex of letters): 3.5 ms a step on 2 threads, 6.8 ms row by
+    row."""
+    import llguidance.numpy
+
+    if rows:
+        llguidance.numpy.fill_next_token_bitmask_par(
+            rows[0][1]._executor, [(c._matcher, row) for row, c in rows], bitmask)
+
+
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer and vocabulary (the logits' width, which
     may exceed the tokenizer's: tokens past it are never allowed)."""
@@ -88,6 +102,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._ll_tokenizer: "llguidance.LLTokenizer | None" = None
+        self._executor: "llguidance.LLExecutor | None" = None
         self._lock = threading.Lock()  # a server's request threads may build it at once
 
     def _llg_tokenizer(self) -> "llguidance.LLTokenizer":
@@ -101,6 +116,9 @@ class GrammarCompiler:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                     eos_token=list(self._tokenizer.eos_ids))
+                # Every core: a constrained step waits for its masks (it is never planned
+                # ahead), so nothing else runs meanwhile; llguidance's default takes 80%.
+                self._executor = llguidance.LLExecutor(min(32, len(os.sched_getaffinity(0))))
             return self._ll_tokenizer
 
     def constraint(self, spec: StructuredOutput) -> TokenConstraint:
@@ -119,4 +137,4 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid structured output: {matcher.get_error()}")
-        return TokenConstraint(matcher)
+        return TokenConstraint(matcher, self._executor)

@@ -35,7 +35,7 @@ from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
 from infer.sampling_params import is_integer
 from infer.spec.stats import SpeculationStats
-from infer.structured import mask_words
+from infer.structured import fill_bitmask, mask_words
 
 if TYPE_CHECKING:
     from infer.spec.proposer import Proposer
@@ -192,8 +192,7 @@ class Runner:
         if constrained:
             allowed = np.full((rows, mask_words(self.device_steps.config.vocab_size)), -1,
                               np.int32)
-            for i, constraint in constrained:
-                constraint.fill(allowed, i)
+            fill_bitmask(constrained, allowed)
         return SamplingArrays.from_params([s.request.params for s in seqs], batch=rows,
                                           allowed=allowed)
 

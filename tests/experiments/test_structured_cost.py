@@ -16,18 +16,19 @@ def test_every_constraint_decodes_the_same_steps(tmp_path) -> None:
     rows = structured_cost.run(batch_sizes=[2], constraints=["none", "json", "regex"],
                                tokens=5, prompt_len=16, repeats=1, layers=2,
                                out=str(tmp_path / "s.jsonl"))
-    by_kind = {r["constraint"]: r for r in rows}
-    assert set(by_kind) == {"none", "json", "regex"}
+    by_kind = {(r["constraint"], r["async"]): r for r in rows}
+    assert set(by_kind) == {("none", True), ("json", True), ("regex", True), ("none", False)}
     steps = {r["steps_timed"] for r in rows}
     assert len(steps) == 1 and steps.pop() > 0
+    none, sync = by_kind["none", True], by_kind["none", False]
     for kind in ("json", "regex"):
-        row = by_kind[kind]
+        row = by_kind[kind, True]
         assert row["finished_by_length"] and row["fill_ms"] > 0
         assert row["planned_ahead"] == 0  # a constrained step waits for its token
-        assert row["over_unconstrained"] == pytest.approx(row["step_ms"]
-                                                          / by_kind["none"]["step_ms"])
-    assert by_kind["none"]["planned_ahead"] > 0
-    assert "fill_ms" not in by_kind["none"]
+        assert row["over_unconstrained"] == pytest.approx(row["step_ms"] / none["step_ms"])
+        assert row["over_unconstrained_sync"] == pytest.approx(row["step_ms"] / sync["step_ms"])
+    assert none["planned_ahead"] > 0 and sync["planned_ahead"] == 0
+    assert "fill_ms" not in none and "async_scheduling" not in none
     # One device: the point as before the parallel flags, so --resume finds old rows.
     assert all(r["engine_devices"] == 1 and "tensor_parallel_size" not in r for r in rows)
 
@@ -37,7 +38,8 @@ def test_a_split_engine_runs_on_its_mesh_and_keys_its_rows_apart(tmp_path) -> No
     rows = structured_cost.run(batch_sizes=[2], constraints=["none", "regex"], tokens=5,
                                prompt_len=16, repeats=1, layers=2, tensor_parallel_size=3,
                                out=str(tmp_path / "s.jsonl"))
-    assert {r["constraint"] for r in rows} == {"none", "regex"}
+    assert sorted((r["constraint"], r["async"]) for r in rows) == [
+        ("none", False), ("none", True), ("regex", True)]
     for row in rows:
         assert row["tensor_parallel_size"] == 3 and row["pad_heads"] is False
         assert row["engine_devices"] == 3  # the KV cache is split, not only the flag set
