@@ -50,6 +50,7 @@ from experiments.common import environment, markdown_table, run_main
 from experiments.llama_server import (ensure_llama_server_gguf, free_port, llama_quantize_path,
                                       llama_server_command, llama_server_gguf_path,
                                       llama_server_usable, server_process)
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_list("servers", ["infer", "inprocess"], "infer, llamaserver, inprocess (the "
@@ -79,6 +80,8 @@ flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk (llama-server's b
                      flag_values=FLAGS)
 flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""), "llama-server binary",
                     flag_values=FLAGS)
+# infer's server and the in-process engine (llama-server's own parallelism is not infer's).
+define_parallel_flags(FLAGS)
 flags.DEFINE_string("out", "results/bench_serve.jsonl", "JSONL output", flag_values=FLAGS)
 
 
@@ -256,10 +259,18 @@ def summarize(results: Sequence[Measured], duration_s: float, percentiles: Seque
     return row
 
 
+def flag_args(values: dict[str, Any]) -> list[str]:
+    """absl command-line arguments that set each flag to its value (--x / --nox for a bool)."""
+    return [f"--{'' if v else 'no'}{name}" if isinstance(v, bool) else f"--{name}={v}"
+            for name, v in values.items()]
+
+
 @contextlib.contextmanager
 def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_len: int,
-             max_prefill_tokens: int, llama_server: str) -> Iterator[tuple[str, str]]:
-    """(base url, served model name) of a running server, started here unless given by url."""
+             max_prefill_tokens: int, llama_server: str, parallel: dict[str, Any]
+             ) -> Iterator[tuple[str, str]]:
+    """(base url, served model name) of a running server, started here unless given by url;
+    infer's with the `parallel` flags (`infer.parallel.flags.parallel_kwargs`)."""
     if server.startswith("url="):
         yield server[4:].rstrip("/"), model
         return
@@ -268,7 +279,7 @@ def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_l
         command = [sys.executable, "-m", "infer.serve", f"--model={model}", f"--dtype={dtype}",
                    f"--port={port}", f"--max_num_seqs={max_num_seqs}",
                    f"--max_model_len={max_model_len}",
-                   f"--max_prefill_tokens={max_prefill_tokens}"]
+                   f"--max_prefill_tokens={max_prefill_tokens}", *flag_args(parallel)]
         with server_process(command, port, name="infer.serve", ready_timeout_s=1800):
             yield f"http://127.0.0.1:{port}", model
         return
@@ -286,13 +297,14 @@ def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_l
 
 
 def in_process(items: Sequence[Scheduled], model: str, dtype: str, max_num_seqs: int,
-               max_model_len: int, max_prefill_tokens: int) -> tuple[list[Measured], float]:
+               max_model_len: int, max_prefill_tokens: int, parallel: dict[str, Any]
+               ) -> tuple[list[Measured], float]:
     """The same schedule fed straight to the engine in this process (experiments.serve's loop,
     warmed up first), measured from each request's scheduled arrival: what HTTP costs."""
     from experiments.serve import WorkItem, serve_infer
     from infer import LLM
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-              max_prefill_tokens=max_prefill_tokens)
+              max_prefill_tokens=max_prefill_tokens, **parallel)
     llm.engine.warmup(progress=True)
     work = [WorkItem(i.offset_s, tuple(llm.tokenizer.encode(i.prompt)), i.output_len)
             for i in items]
@@ -310,7 +322,15 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         replay: str | None = None, metric_percentiles: list[float] = (50, 90, 99),
         goodput: list[str] = ("ttft:1000", "tpot:100"), max_num_seqs: int = 8,
         max_model_len: int = 512, max_prefill_tokens: int = 256, llama_server: str = "",
-        out: str = "results/bench_serve.jsonl") -> list[dict[str, Any]]:
+        out: str = "results/bench_serve.jsonl", tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1, pad_heads: bool = False,
+        dp_routing: str = "least_loaded") -> list[dict[str, Any]]:
+    parallel = dict(tensor_parallel_size=tensor_parallel_size,
+                    data_parallel_size=data_parallel_size, pad_heads=pad_heads,
+                    dp_routing=dp_routing)
+    if "inprocess" in servers and data_parallel_size != 1:
+        raise ValueError("inprocess feeds one engine's loop (experiments.serve): run "
+                         "data-parallel replicas through --servers=infer")
     slos = {}
     for g in goodput:
         name, _, ms = g.partition(":")
@@ -332,10 +352,10 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
     for server in servers:
         if server == "inprocess":
             results, duration = in_process(items, model, dtype, max_num_seqs, max_model_len,
-                                           max_prefill_tokens)
+                                           max_prefill_tokens, parallel)
         else:
             with launched(server, model, dtype, max_num_seqs, max_model_len,
-                          max_prefill_tokens, llama_server) as (url, served):
+                          max_prefill_tokens, llama_server, parallel) as (url, served):
                 # One request first, untimed, as vLLM's client sends: connections, lazy setup.
                 asyncio.run(run_schedule(url, served, items[:1], progress=False))
                 results, duration = asyncio.run(run_schedule(url, served, items,
@@ -345,6 +365,8 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
                "max_concurrency": max_concurrency, "random_input_len": random_input_len,
                "random_output_len": random_output_len, "random_range_ratio": random_range_ratio,
                "seed": seed, "max_num_seqs": max_num_seqs, "goodput_slo_ms": slos,
+               # infer's devices; llama-server and a url= server run as they were started.
+               **(parallel if server in ("infer", "inprocess") else {}),
                **summarize(results, duration, [float(p) for p in metric_percentiles], slos),
                "schedule": [dataclasses.asdict(i) for i in items], "environment": environment()}
         rows.append(row)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from absl import flags
 
 from experiments.common import define_resume_flag
+from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("modes", ["lazy", "warmup"], "lazy: compile at first use; warmup: in LLM()",
@@ -22,6 +23,7 @@ flags.DEFINE_integer("max_model_len", 2048, "longest sequence (LLM's default)", 
 flags.DEFINE_integer("max_tokens", 16, "tokens of each timed generate call", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/startup.jsonl", "JSONL output", flag_values=FLAGS)
 define_resume_flag(FLAGS)
+define_parallel_flags(FLAGS)
 
 # What one measurement runs, in its own process; it prints one JSON line.
 _CHILD = """
@@ -31,11 +33,12 @@ configure_xla_cpu()
 enable_compilation_cache(sys.argv[1])
 from infer import LLM, SamplingParams
 mode, dtype, seqs, model_len, tokens = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+parallel = json.loads(sys.argv[7])
 params = SamplingParams(max_tokens=tokens, seed=0, ignore_eos=True)
 with CompileCounter() as compiled:
     start = time.perf_counter()
     llm = LLM(model="smollm2-135m", dtype=dtype, max_num_seqs=seqs, max_model_len=model_len,
-              warmup=mode == "warmup")
+              warmup=mode == "warmup", **parallel)
     built = time.perf_counter()
     llm.generate(["The capital of France is"], params)
     first = time.perf_counter()
@@ -47,7 +50,9 @@ print(json.dumps({"llm_s": built - start, "first_generate_s": first - built,
 
 
 def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
-        max_tokens: int, out: str, resume: bool = False) -> list[dict]:
+        max_tokens: int, out: str, resume: bool = False, tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1, pad_heads: bool = False,
+        dp_routing: str = "least_loaded") -> list[dict]:
     """Rows per (mode, cache): seconds in LLM(), in the first generate call and in a second one,
     and the programs made executable; the table from the file."""
     import json
@@ -57,6 +62,11 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
 
     from experiments.common import ResultLog, markdown_table
 
+    parallel = dict(tensor_parallel_size=tensor_parallel_size,
+                    data_parallel_size=data_parallel_size, pad_heads=pad_heads,
+                    dp_routing=dp_routing)
+    # One-device points keep the keys they had before the parallel flags (and --resume).
+    point_parallel = {} if tensor_parallel_size == data_parallel_size == 1 else parallel
     log = ResultLog(out, resume=resume)
     for mode in modes:
         with tempfile.TemporaryDirectory() as cache_dir:
@@ -64,12 +74,13 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
                 def measure() -> dict:
                     done = subprocess.run(
                         [sys.executable, "-c", _CHILD, cache_dir, mode, dtype, str(max_num_seqs),
-                         str(max_model_len), str(max_tokens)],
+                         str(max_model_len), str(max_tokens), json.dumps(parallel)],
                         capture_output=True, text=True, check=True)
                     return json.loads(done.stdout.strip().splitlines()[-1])
                 log.measure({"experiment": "startup", "mode": mode, "cache": cache,
                              "dtype": dtype, "max_num_seqs": max_num_seqs,
-                             "max_model_len": max_model_len, "max_tokens": max_tokens}, measure)
+                             "max_model_len": max_model_len, "max_tokens": max_tokens,
+                             **point_parallel}, measure)
     rows = log.rows()
     print(markdown_table(rows, [("mode", "mode"), ("cache", "compilation cache"),
                                 ("llm_s", "LLM() s"), ("first_generate_s", "first generate s"),

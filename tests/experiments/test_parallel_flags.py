@@ -1,5 +1,6 @@
 """The parallel flags (`infer.parallel.flags`) on every experiment that builds engines: each
-defines them and its `run` takes them; the ones that time one engine's steps refuse
+defines them and its `run` takes them (startup and bench_serve pass them to LLM and to
+infer's server); the ones that time one engine's steps refuse
 data_parallel_size != 1, and the comparisons that run on one device refuse a split engine, all
 in one line before any model loads. The runs under a mesh are in test_structured_cost.py."""
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 import infer.io.loader
-from experiments import common, engine_overhead, prefix_cache, serve, speculation, structured_cost
+from experiments import (bench_serve, common, engine_overhead, prefix_cache, serve, speculation,
+                         startup, structured_cost)
 
 PARALLEL_FLAGS = ("tensor_parallel_size", "data_parallel_size", "pad_heads", "dp_routing")
 
@@ -65,9 +67,14 @@ RUNS = {"serve": (serve, serve_run), "engine_overhead": (engine_overhead, engine
         "speculation": (speculation, speculation_run)}
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+# Experiments whose engines run through LLM or infer's server, where data parallelism is the
+# front's: they pass the flags on, and refuse nothing.
+PASSED_ON = {"startup": startup, "bench_serve": bench_serve}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS) + sorted(PASSED_ON))
 def test_every_engine_experiment_takes_the_parallel_flags(name: str) -> None:
-    module, _ = RUNS[name]
+    module = RUNS[name][0] if name in RUNS else PASSED_ON[name]
     assert set(PARALLEL_FLAGS) <= set(module.FLAGS)
     taken = common.flag_kwargs(module.run, module.FLAGS)
     assert {"tensor_parallel_size", "data_parallel_size"} <= set(taken)

@@ -78,3 +78,17 @@ def test_a_run_against_the_server_counts_what_it_served(running) -> None:
     replayed = [Scheduled(**s) for s in json.loads(json.dumps(
         [i.__dict__ for i in items]))]
     assert replayed == items
+
+
+@pytest.mark.parametrize("parallel", [
+    dict(tensor_parallel_size=1, data_parallel_size=1, pad_heads=False, dp_routing="least_loaded"),
+    dict(tensor_parallel_size=2, data_parallel_size=3, pad_heads=True, dp_routing="prefix")])
+def test_the_parallel_flags_reach_infers_server_as_given(parallel) -> None:
+    """What bench_serve passes on the server's command line parses back to the same flags."""
+    from absl import flags
+
+    from infer.parallel.flags import define_parallel_flags, parallel_kwargs
+    server_flags = flags.FlagValues()
+    define_parallel_flags(server_flags)
+    server_flags(["infer.serve", *bench_serve.flag_args(parallel)])
+    assert parallel_kwargs(server_flags) == parallel
