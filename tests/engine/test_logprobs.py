@@ -5,6 +5,7 @@ decode, decode planned ahead, mixed steps), greedy and sampled."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,28 @@ from infer.spec.config import SpeculativeConfig
 from tests.engines import check_logprobs, tiny_engine
 
 
-def _full_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log_softmax of one full forward over `ids` (a contiguous cache, no engine) [T, V]."""
+@functools.cache
+def _forward(model):
+    """One jitted full forward per model at one padded length: eager calls would compile every
+    op anew for each sequence length."""
     c = model.config
-    cache = KVCache.create(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim)
-    logits, _, _ = model(jnp.asarray([ids]), cache,
-                         AttentionMetadata.for_prefill(jnp.asarray([len(ids)]), len(ids)))
-    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+
+    @jax.jit
+    def logprobs(ids, length):
+        cache = KVCache.create(c.num_layers, 1, ids.shape[1], c.num_kv_heads, c.head_dim)
+        logits, _, _ = model(ids, cache,
+                             AttentionMetadata.for_prefill(length[None], ids.shape[1]))
+        return jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
+
+    return logprobs
+
+
+def _full_logprobs(model, ids: list[int], padded: int = 64) -> np.ndarray:
+    """log_softmax of one full forward over `ids` (a contiguous cache, no engine) [T, V]. The
+    padding after the last token changes nothing before it (attention is causal)."""
+    tokens = np.zeros((1, padded), np.int32)
+    tokens[0, :len(ids)] = ids
+    return np.asarray(_forward(model)(jnp.asarray(tokens), jnp.asarray(len(ids))))[:len(ids)]
 
 
 def _run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
