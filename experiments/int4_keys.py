@@ -31,6 +31,12 @@ and any of these options, appended in any order (`channel:32+rot+clip+log8+z8`):
   +prerope  (keys only) quantize the keys before RoPE (KVQuant), as a cache would that stored
           them so and rotated them as it read them; with +mean, the mean of pre-RoPE keys,
           added back before the rotation
+  +smooth  (keys only) divide each channel c of a (layer, kv head) by a static
+          s_c = sqrt(rms(k_c) / rms(q_c)) over calibration text, quantize, multiply back. A real
+          model folds it into its weights (W_k's rows / s, W_q's rows * s, so q.k is unchanged;
+          s is tied across each RoPE pair, so it commutes with RoPE): no bytes, no runtime.
+          That s minimizes the expected score error E[(sum_c q_c s_c e_c)^2] when the rotated
+          quantization error e is isotropic with variance ~ |k / s|^2 (Cauchy-Schwarz).
 Bytes per token per kv head count the int4 data, D / 2 = 32 for D = 64, and each group's step
 (2 bytes bfloat16, 1 with +log8) and low (2 bfloat16, 1 with +z8, 0 with +sym), against
 bfloat16's 128 bytes per head for K and for V; a group is G channels of one token, or one
@@ -47,6 +53,7 @@ cache would leave them out of it, which can only help.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from absl import flags
 
@@ -67,7 +74,7 @@ CHUNK, PAGE = 256, 16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # +clip's candidate fractions of a group's range
 LOG8_OFFSET, LOG8_PER_OCTAVE = 12, 16  # +log8: step = 2^(c / 16 - 12), c a uint8
 SINK = 4  # +sink's tokens kept in bfloat16
-OPTIONS = ("mean", "rot", "clip", "log8", "z8", "sym", "res", "sink", "prerope")
+OPTIONS = ("mean", "rot", "clip", "log8", "z8", "sym", "res", "sink", "prerope", "smooth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,7 @@ class Scheme:
     residual: int = 0  # tokens of the block still filling, read in bfloat16 (0: none)
     sink: bool = False  # the first SINK tokens kept in bfloat16
     prerope: bool = False  # keys quantized before RoPE
+    smooth: bool = False  # keys divided by static per-channel scales first
 
     @staticmethod
     def parse(text: str) -> "Scheme":
@@ -110,7 +118,7 @@ class Scheme:
                       residual=(int(blocks[0][3:]) if blocks else
                                 int(size) if "res" in options else 0),
                       sink="sink" in options,
-                      prerope="prerope" in options)
+                      prerope="prerope" in options, smooth="smooth" in options)
 
     @property
     def group_bytes(self) -> int:
@@ -234,20 +242,22 @@ def _register():
         key_means: tuple  # per layer [K, D] (of pre-RoPE keys with +prerope), or () without +mean
         value_means: tuple
         inv_freq: jax.Array  # RoPE's, for +prerope
+        key_smooth: tuple  # per layer [K, D] static channel scales (+smooth), or ()
         keys: Scheme = dataclasses.field(metadata=dict(static=True))
         values: Scheme = dataclasses.field(metadata=dict(static=True))
 
         def write(self, layer, k, v, meta):
-            def through(x, scheme, means):  # the mean subtracted, x quantized, the mean back
+            def through(x, scheme, means, smooth=()):  # the mean off, x quantized, the mean back
                 mean = means[layer] if means else 0.0
-                return fake_quantize(x - mean, scheme) + mean
+                scale = smooth[layer] if smooth else 1.0
+                return fake_quantize((x - mean) / scale, scheme) * scale + mean
 
             if self.keys.prerope:
                 pre = apply_rope(k, -meta.positions, self.inv_freq)
                 k_read = apply_rope(through(pre, self.keys, self.key_means), meta.positions,
                                     self.inv_freq)
             else:
-                k_read = through(k, self.keys, self.key_means)
+                k_read = through(k, self.keys, self.key_means, self.key_smooth)
             inner = self.inner.write(layer, k_read, through(v, self.values, self.value_means),
                                      meta)
             exact = self.exact
@@ -280,7 +290,37 @@ def _register():
                                       visibility_mask(meta, slots), own(self.keys),
                                       own(self.values))
 
-    return FakeQuantCache
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class QueryRecorder:
+        """A cache that hands every query it attends with to `record(layer, q)` on the host
+        (calibration only: a callback per layer and step)."""
+        inner: PagedKVCache
+        record: object = dataclasses.field(metadata=dict(static=True))
+
+        def write(self, layer, k, v, meta):
+            return dataclasses.replace(self, inner=self.inner.write(layer, k, v, meta))
+
+        def attend(self, layer, q, meta):
+            jax.debug.callback(functools.partial(self.record, layer), q)
+            return self.inner.attend(layer, q, meta)
+
+    return FakeQuantCache, QueryRecorder
+
+
+def smoothing_scales(keys, queries, kv_heads: int):
+    """s [K, D] per layer for +smooth from calibration keys [T, K, D] and queries [T, H, D]:
+    sqrt(rms(k_c) / rms(q_c)), the query heads of a kv head pooled, each RoPE pair (c, c + D/2)
+    sharing its pooled rms, normalized to geometric mean 1."""
+    import numpy as np
+
+    d = keys.shape[-1]
+    q = queries.reshape(queries.shape[0], kv_heads, -1, d).transpose(0, 2, 1, 3)
+    pair = lambda ms: np.tile((ms[..., :d // 2] + ms[..., d // 2:]) / 2, 2)  # mean squares
+    rms_k = np.sqrt(pair(np.mean(np.square(keys), axis=0)))
+    rms_q = np.sqrt(pair(np.mean(np.square(q), axis=(0, 1))))
+    s = np.sqrt(rms_k / np.maximum(rms_q, 1e-12))
+    return s / np.exp(np.mean(np.log(s), axis=-1, keepdims=True))
 
 
 def score(steps, ids: list[int], make_cache):
@@ -311,8 +351,8 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
     for text in schemes:
         key, _, value = text.partition("/")
         pairs.append((text, Scheme.parse(key), Scheme.parse(value)))
-        if pairs[-1][2].prerope:
-            raise ValueError(f"{text!r}: +prerope is a key scheme")
+        if pairs[-1][2].prerope or pairs[-1][2].smooth:
+            raise ValueError(f"{text!r}: +prerope and +smooth are key schemes")
         for s in pairs[-1][1:]:
             if s.kind == "channel" and CHUNK % s.size:
                 raise ValueError(f"{text!r}: a channel window must divide the {CHUNK}-token chunk")
@@ -324,7 +364,11 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
     # Mean keys and values of training-side text, read back from a float32 cache after one
     # forward.
     calib = text_ids(tokenizer, 20_000, 0)[:calibration_tokens]
-    calib_cache = score_cache(DeviceSteps(model), calib, float32)
+    recorded: dict[int, list] = {}
+    fake_cache, query_recorder = _register()
+    record = lambda layer, q: recorded.setdefault(layer, []).append(np.asarray(q))
+    calib_cache = score_cache(DeviceSteps(model), calib,
+                              lambda pages: query_recorder(float32(pages), record)).inner
     # Kept on the host: a forward step donates its cache, and with it the arrays it holds, so
     # each cache gets copies of its own.
     inv_freq = rope_frequencies(config)
@@ -334,8 +378,10 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
     key_means = tuple(np.asarray(tokens(k)[0].mean(0)) for k in calib_cache.k)
     prerope_key_means = tuple(np.asarray(unrope(tokens(k))[0].mean(0)) for k in calib_cache.k)
     value_means = tuple(np.asarray(tokens(v)[0].mean(0)) for v in calib_cache.v)
+    key_smooth = tuple(smoothing_scales(np.asarray(tokens(k)[0]),
+                                        np.concatenate(recorded[layer], axis=1)[0], k_heads)
+                       for layer, k in enumerate(calib_cache.k))
     device = lambda arrays: tuple(jnp.asarray(a) for a in arrays)
-    fake_cache = _register()
     log = ResultLog(out, resume=resume)
     p_ref = np.exp(reference)
     bf16_bytes = 2 * d
@@ -347,7 +393,8 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
             make = lambda pages: fake_cache(
                 float32(pages), float32(pages) if exact else None,
                 device(k_means) if keys.mean else (), device(value_means) if values.mean else (),
-                jnp.asarray(inv_freq), keys, values)
+                jnp.asarray(inv_freq), device(key_smooth) if keys.smooth else (), keys,
+                values)
             # A fresh DeviceSteps: its programs are traced for this scheme alone.
             logp = score(DeviceSteps(model), ids, make)
             both = keys.bytes_per_token(d) + values.bytes_per_token(d)

@@ -51,3 +51,31 @@ def test_channel_windows_quantize_each_window_alone(window: int) -> None:
         assert np.all(np.abs(got - part) <= step * 0.51 + 1e-2 * np.abs(part).max(0))
     quiet = np.abs(out[0, window:] - x[0, window:]).max()
     assert quiet < 0.2, "the loud window's range leaked into the next ones"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_smoothing_scales_minimize_the_isotropic_score_error(seed: int) -> None:
+    """+smooth's s is tied across RoPE pairs, has geometric mean 1, and minimizes
+    sum(q^2 s^2) * sum(k^2 / s^2), the score error's size when the quantization error of
+    k / s is isotropic with variance ~ |k / s|^2: no pair-tied perturbation of s lowers it."""
+    from experiments.int4_keys import smoothing_scales
+
+    rng = np.random.default_rng(seed)
+    t, kv, group, d = 64, 3, 3, 16
+    channel_scale = np.exp(rng.normal(size=d) * 1.5)  # outlier channels, as real keys have
+    keys = rng.standard_normal((t, kv, d)) * channel_scale
+    queries = rng.standard_normal((t, kv * group, d)) * np.exp(rng.normal(size=d))
+    s = smoothing_scales(keys, queries, kv)
+    assert s.shape == (kv, d)
+    np.testing.assert_allclose(s[:, :d // 2], s[:, d // 2:])
+    np.testing.assert_allclose(np.exp(np.log(s).mean(-1)), 1.0, rtol=1e-6)
+    grouped = queries.reshape(t, kv, group, d)
+    pair = lambda ms: np.tile((ms[..., :d // 2] + ms[..., d // 2:]) / 2, 2)
+    ms_q = pair(np.mean(np.square(grouped), axis=(0, 2)))
+    ms_k = pair(np.mean(np.square(keys), axis=0))
+    error = lambda scale: np.sum(ms_q * scale ** 2, -1) * np.sum(ms_k / scale ** 2, -1)
+    best = error(s)
+    for _ in range(20):
+        nudge = np.tile(np.exp(rng.normal(size=(kv, d // 2)) * 0.2), 2)
+        assert np.all(error(s * nudge) >= best * (1 - 1e-9))
+    assert np.all(best < error(np.ones_like(s)))  # and it beats no smoothing on outlier keys
