@@ -14,7 +14,12 @@ Part `engine`: method x k (drafts per step) x temperature x batch, each through 
 engine (`LLM.from_loaded(..., speculative={"method": m, "num_tokens": k})`) against the same
 engine without speculation, on the same prompts in the same run. n-gram lookup gets
 input-grounded prompts (summarize / rewrite / repeat with edits a held-out snippet: text it can
-copy); the model drafts (draft, self_draft, eagle) get chat prompts. Snippets come from
+copy); suffix decoding gets repetitive ones (two extraction instructions over many records of
+one shape: templated answers, whose template its corpus of finished outputs holds); the model
+drafts (draft, self_draft, eagle) get chat prompts. --prompt_kind gives every method one kind
+(`--methods=ngram,suffix --prompt_kind=repetitive`: n-gram as suffix decoding's peer). Each
+timed pass starts suffix decoding with an empty corpus, so a pass repeated for warm-up drafts
+nothing from its own earlier outputs. Snippets come from
 `real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
 file is missing is skipped with a note.
 
@@ -60,8 +65,11 @@ from infer.parallel.flags import define_parallel_flags
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
                   "engine), tree (eagle_generate tree vs chain at batch 1)", flag_values=FLAGS)
-flags.DEFINE_list("methods", ["ngram", "draft", "self_draft", "eagle"], "speculative methods",
-                  flag_values=FLAGS)
+flags.DEFINE_list("methods", ["ngram", "draft", "self_draft", "eagle", "suffix"],
+                  "speculative methods", flag_values=FLAGS)
+flags.DEFINE_enum("prompt_kind", "", ["", "grounded", "chat", "repetitive"], "one prompt kind "
+                  "for every method; empty: each method's own (ngram: grounded, suffix: "
+                  "repetitive, the model drafts: chat)", flag_values=FLAGS)
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "drafts per step", flag_values=FLAGS)
 flags.DEFINE_list("temperatures", ["0", "0.7"], "sampling temperatures", flag_values=FLAGS)
 flags.DEFINE_list("batch_sizes", ["1", "8"], "engine batch sizes (max_num_seqs)",
@@ -84,12 +92,21 @@ flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights
 flags.DEFINE_bool("quick", False, "smoke run: ks 1,2; temperature 0; batch 1,2; 2 prompts; "
                   "16 tokens", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_values=FLAGS)
+flags.DEFINE_integer("draft_vocab_size", 0, "model drafts score only this many of the most "
+                     "frequent target ids (FR-Spec, weights/draft_vocab_smollm2.npy); 0: the "
+                     "whole vocabulary", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
 WEIGHT_PATHS = {"draft": "draft_path", "eagle": "eagle_path"}  # SpeculativeConfig fields
+METHOD_PROMPTS = {"ngram": "grounded", "suffix": "repetitive"}  # the others: chat
+
+
+def prompt_kind_of(method: str, override: str = "") -> str:
+    """The prompt kind a method runs on: `override` when set, else the method's own."""
+    return override or METHOD_PROMPTS.get(method, "chat")
 
 
 # -- the cost model --------------------------------------------------------------------------
@@ -284,7 +301,8 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int) -> dict[str, An
 def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
                warmup: str, seed: int, loaded, log,
-               prompts: dict[str, list[list[int]]] | None = None) -> None:
+               prompts: dict[str, list[list[int]]] | None = None, draft_vocab_size: int = 0,
+               prompt_kind: str = "") -> None:
     """Baselines per batch size, prompt kind and temperature, then every runnable method x k
     against them, each row written to `log` as it is measured. `prompts` (kind -> token ids)
     replaces the held-out SmolLM2 prompts."""
@@ -294,6 +312,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
 
     from infer.llm import LLM
     from infer.platform import CompileCounter
+    from infer.spec.config import DRAFT_VOCAB_METHODS
 
     config, model, tokenizer = loaded
     runnable = []
@@ -303,7 +322,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
             print(f"[speculation] skipping method {m!r}: weights file {missing} is missing")
         else:
             runnable.append(m)
-    kinds = sorted({"grounded" if m == "ngram" else "chat" for m in runnable})
+    kinds = sorted({prompt_kind_of(m, prompt_kind) for m in runnable})
     count = max(num_prompts, max(batch_sizes))
     if prompts is None:
         prompts = {kind: build_prompts(tokenizer, kind, count, snippet_chars) for kind in kinds}
@@ -319,7 +338,10 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         that built none. With warmup=pass the repeats are the warm-up: they cost a pass but
         build only the shapes the workload uses."""
         work = prompts[kind][:max(num_prompts, batch)]
+        clear = getattr(llm.engine.runner.proposer, "clear", None)  # suffix decoding's corpus
         for attempt in range(3):
+            if clear is not None:
+                clear()
             with CompileCounter() as built:
                 row = run_workload(llm, work, temperature, max_tokens, seed, probe)
             if built.count == 0:
@@ -355,25 +377,29 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                 bar.update(1)
         base_llm.cache_clear()  # its KV cache goes before the speculative engines
         for method in runnable:
-            kind = "grounded" if method == "ngram" else "chat"
+            kind = prompt_kind_of(method, prompt_kind)
+            # In the point only when set: the keys of full-vocabulary rows stay as they were.
+            vocab = ({"draft_vocab_size": draft_vocab_size}
+                     if draft_vocab_size and method in DRAFT_VOCAB_METHODS else {})
             for k in ks:
                 @functools.cache
-                def spec_llm(method=method, k=k, batch=batch):
-                    llm = engine(batch, {"method": method, "num_tokens": k})
+                def spec_llm(method=method, k=k, batch=batch, vocab=vocab):
+                    llm = engine(batch, {"method": method, "num_tokens": k, **vocab})
                     return llm, ProposerProbe(llm.engine.runner.proposer)
 
-                def measure(t: float, kind=kind, k=k, batch=batch) -> dict:
+                def measure(t: float, kind=kind, k=k, batch=batch, vocab=vocab) -> dict:
                     llm, probe = spec_llm()
                     base = baselines[kind, t]
                     spec = timed(llm, kind, batch, t, probe)
                     same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
                             / len(base["token_ids"])) if t == 0 else None
-                    row = {**spec_row(base, spec, k), "greedy_identical": same}
+                    row = {**spec_row(base, spec, k), "greedy_identical": same,
+                           "draft_vocab_size": vocab.get("draft_vocab_size", 0)}
                     row.pop("token_ids")
                     return row
 
                 for t in temperatures:
-                    log.measure({**common, "method": method, "k": k, "temperature": t,
+                    log.measure({**common, **vocab, "method": method, "k": k, "temperature": t,
                                  "batch": batch, "prompts": kind,
                                  "num_prompts": max(num_prompts, batch)},
                                 lambda t=t, measure=measure: measure(t))
@@ -605,7 +631,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
         seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
         eagle_path: str | None = None, resume: bool = False, tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1) -> list[dict[str, Any]]:
+        data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = ""
+        ) -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
     it is measured; with `resume`, points already there are not measured again). `loaded` is
     (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
@@ -624,7 +651,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
     if "engine" in parts:
         run_engine(methods=methods, ks=ks, temperatures=temperatures, batch_sizes=batch_sizes,
                    num_prompts=num_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
-                   warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts)
+                   warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts,
+                   draft_vocab_size=draft_vocab_size, prompt_kind=prompt_kind)
     if "tree" in parts:
         run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,

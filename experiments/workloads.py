@@ -30,6 +30,28 @@ CHAT = (
     "Why is the sky blue?",
     "Describe a typical day of a software engineer.",
 )
+# The repetitive kind: one instruction over many records of the same shape, so that answers
+# repeat their template across requests (what suffix decoding's corpus of finished outputs
+# drafts from) while their values come from each request's own prompt.
+RECORD_TEMPLATES = (
+    ('Extract the record as JSON with the keys "name", "age", "job", "employer", "city", '
+     '"country" and "email".\n\nRecord: {first} {last}, {age}, is {job} at {employer} in '
+     '{city}, {country}. {pronoun} email is {email}.'),
+    ('Describe the product as JSON with the keys "product", "brand", "price", "color", "size" '
+     'and "in_stock".\n\nProduct: the {brand} {product}, {color}, size {size}, sold for '
+     '${price}; {stock} units are in stock.'),
+)
+FIRST = (("Maria", "Her"), ("Tom", "His"), ("Aiko", "Her"), ("Samuel", "His"), ("Priya", "Her"),
+         ("Lena", "Her"), ("Omar", "His"), ("Grace", "Her"), ("Ivan", "His"), ("Chen", "His"))
+LAST = ("Lopez", "Becker", "Tanaka", "Okafor", "Sharma", "Novak", "Haddad", "Kim", "Petrov", "Wu")
+JOBS = (("a nurse", "Saint Anne Hospital"), ("a baker", "Sunrise Bakery"),
+        ("a teacher", "Hillside School"), ("an engineer", "Northwind Labs"),
+        ("a pilot", "Blue Sky Airlines"), ("a chef", "The Green Table"))
+PLACES = (("Madrid", "Spain"), ("Hamburg", "Germany"), ("Osaka", "Japan"), ("Lagos", "Nigeria"),
+          ("Pune", "India"), ("Prague", "Czechia"), ("Toronto", "Canada"))
+PRODUCTS = ("running shoe", "rain jacket", "backpack", "desk lamp", "coffee mug", "wool scarf")
+BRANDS = ("Acme", "Nordic", "Orion", "Vela", "Kestrel")
+COLORS = ("red", "navy blue", "black", "green", "white")
 INSTRUCTIONS = (  # of the chat-formatted training prompts
     "Summarize the following text.",
     "Explain the following in simple terms.",
@@ -132,10 +154,36 @@ def held_out_paragraphs(count: int, min_chars: int = 200, max_chars: int = 500,
     return out
 
 
+def record_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` messages of the repetitive kind: the RECORD_TEMPLATES in turn, each over a
+    random record (names, jobs, places, products drawn from small lists)."""
+    rng = np.random.default_rng(seed)
+
+    def pick(options: Sequence[Any]) -> Any:
+        return options[int(rng.integers(len(options)))]
+
+    texts = []
+    for i in range(count):
+        (first, pronoun), last, (job, employer), (city, country) = (
+            pick(FIRST), pick(LAST), pick(JOBS), pick(PLACES))
+        texts.append(RECORD_TEMPLATES[i % len(RECORD_TEMPLATES)].format(
+            first=first, last=last, age=int(rng.integers(21, 66)), job=job, employer=employer,
+            city=city, country=country, pronoun=pronoun,
+            email=f"{first.lower()}.{last.lower()}@example.com", brand=pick(BRANDS),
+            product=pick(PRODUCTS), color=pick(COLORS), size=pick(("S", "M", "L", "XL")),
+            price=f"{int(rng.integers(5, 200))}.{int(rng.integers(0, 100)):02d}",
+            stock=int(rng.integers(0, 500))))
+    return texts
+
+
 def build_prompts(tokenizer: Any, kind: str, count: int, max_chars: int) -> list[list[int]]:
-    """Chat-formatted prompt token ids of held-out text: `grounded` (instructions over
-    snippets, for n-gram lookup) or `chat` (questions, some about other snippets)."""
-    if kind == "grounded":
+    """Chat-formatted prompt token ids: `grounded` (instructions over held-out snippets, for
+    n-gram lookup), `chat` (questions, some about other snippets) or `repetitive` (one of two
+    extraction instructions over records of one shape: templated answers, `record_prompts`;
+    `max_chars` does not apply)."""
+    if kind == "repetitive":
+        texts = record_prompts(count)
+    elif kind == "grounded":
         texts = [GROUNDED[i % len(GROUNDED)].format(text=p)
                  for i, p in enumerate(held_out_paragraphs(count, max_chars=max_chars))]
     elif kind == "chat":

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 from infer.model.llama import Llama
 from infer.spec.draft_model import load_draft, self_draft
 from infer.spec.eagle_head import load_eagle
-from infer.spec.model_proposers import DraftModelProposer, EagleProposer
+from infer.spec.model_proposers import DraftModelProposer, EagleProposer, load_draft_vocab
 from infer.spec.ngram import NgramProposer
 from infer.spec.proposer import Proposer
+from infer.spec.suffix import SuffixProposer, check_suffix_params
 
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "weights")
 
-SPECULATIVE_METHODS = ("ngram", "draft", "self_draft", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft", "self_draft", "eagle", "suffix")
+# The methods whose drafts score the vocabulary through an LM head: only they can reduce it.
+DRAFT_VOCAB_METHODS = ("draft", "self_draft", "eagle")
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
@@ -30,7 +33,9 @@ class SpeculativeConfig:
     Methods: `ngram` (prompt lookup over the request's own tokens), `draft` (a small Llama
     distilled from the target, `experiments.train_draft`), `self_draft` (the target's first
     `self_draft_layers` layers with its norm and head, untrained), `eagle` (an EAGLE head over
-    the target's features, `experiments.train_eagle`)."""
+    the target's features, `experiments.train_eagle`), `suffix` (suffix decoding: suffix tries
+    over the request's tokens and the outputs of recently finished requests, `infer.spec.suffix`,
+    whose docstring gives the `suffix_*` defaults' reasons)."""
 
     method: str
     num_tokens: int = 4
@@ -39,6 +44,15 @@ class SpeculativeConfig:
     draft_path: str = os.path.join(WEIGHTS_DIR, "draft_smollm2.safetensors")
     eagle_path: str = os.path.join(WEIGHTS_DIR, "eagle_smollm2.safetensors")
     self_draft_layers: int = 4
+    suffix_max_match: int = 16
+    suffix_spec_factor: float = 2.0
+    suffix_min_prob: float = 0.5
+    suffix_corpus_tokens: int = 16384  # finished requests' tokens kept; 0: no corpus
+    suffix_corpus_prompts: bool = False  # their prompts too, not only outputs
+    # FR-Spec: model drafts score only the `draft_vocab_size` most frequent target ids of the
+    # ranking at `draft_vocab_path` (experiments.draft_vocab); None scores all of them.
+    draft_vocab_size: int | None = None
+    draft_vocab_path: str = os.path.join(WEIGHTS_DIR, "draft_vocab_smollm2.npy")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -46,20 +60,45 @@ class SpeculativeConfig:
                              f"{SPECULATIVE_METHODS}")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"num_tokens must be in [1, 16], got {self.num_tokens}")
+        check_suffix_params(self.suffix_max_match, self.suffix_spec_factor, self.suffix_min_prob,
+                            self.num_tokens, self.suffix_corpus_tokens)
         path = {"draft": self.draft_path, "eagle": self.eagle_path}.get(self.method)
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"speculative method {self.method!r} needs its weights at "
                                     f"{path!r}; train them with experiments.train_"
                                     f"{self.method} or pass {self.method}_path")
+        if self.draft_vocab_size is not None:
+            if self.method not in DRAFT_VOCAB_METHODS:
+                raise ValueError(f"draft_vocab_size applies to the methods that score a "
+                                 f"vocabulary {DRAFT_VOCAB_METHODS}; {self.method!r} has none "
+                                 f"to reduce")
+            if isinstance(self.draft_vocab_size, bool) \
+                    or not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1:
+                raise ValueError(f"draft_vocab_size must be a positive int (None: the whole "
+                                 f"vocabulary), got {self.draft_vocab_size!r}")
+            if not os.path.isfile(self.draft_vocab_path):
+                raise FileNotFoundError(f"draft_vocab_size needs a token ranking at "
+                                        f"{self.draft_vocab_path!r}; write it with "
+                                        f"experiments.draft_vocab or pass draft_vocab_path")
 
 def make_proposer(config: SpeculativeConfig, model: Llama, runner_config: "RunnerConfig"
                   ) -> Proposer:
+    # Its bound is the target's vocabulary, known only here.
+    ids = (None if config.draft_vocab_size is None else
+           load_draft_vocab(config.draft_vocab_path, config.draft_vocab_size,
+                            model.config.vocab_size))
     if config.method == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_max_match, config.suffix_spec_factor,
+                              config.suffix_min_prob, config.num_tokens,
+                              config.suffix_corpus_tokens, config.suffix_corpus_prompts)
     if config.method == "draft":
-        return DraftModelProposer(load_draft(model, config.draft_path), runner_config)
+        return DraftModelProposer(load_draft(model, config.draft_path), runner_config, ids)
     if config.method == "self_draft":
-        return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config)
+        return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config,
+                                  ids)
     if config.method == "eagle":
-        return EagleProposer(load_eagle(model.config, config.eagle_path), model, runner_config)
+        return EagleProposer(load_eagle(model.config, config.eagle_path), model, runner_config,
+                             ids)
     raise ValueError(f"no proposer for {config.method!r}")

@@ -24,6 +24,15 @@ output distribution exactly the target's whatever the drafts are.
 
 With prefix caching, a request adopts the draft KV in the pages it shares (written by the
 request that computed them); only acceptance, never the output, depends on it being right.
+
+A reduced draft vocabulary (FR-Spec, `SpeculativeConfig.draft_vocab_size`): the draft scores
+only the N target ids of `vocab_ids` (the most frequent in the target's own generations,
+`experiments.draft_vocab`), through their rows of the LM head, gathered once here. The full
+[V, E] projection is most of a drafted token's cost for SmolLM2 (its tied head is 28.3M of
+134.5M parameters), whatever the draft's depth. Choices map back to target ids before anything
+sees them (the EAGLE head feeds back the target embedding of the mapped id), and a sampled
+draft's q is scattered to [rows, V], zero outside the subset: rejection sampling is exact for
+any q whose support holds the draft, so the verifier stays as it is.
 """
 
 from __future__ import annotations
@@ -42,12 +51,61 @@ from infer.cache.paged import PagedKVCache
 from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.model.binding import binding
-from infer.model.llama import Llama
+from infer.model.llama import Llama, dense
 from infer.sampling import SamplingArrays, draft_keys, draw
 from infer.spec.eagle_head import EagleHead
 
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
+
+def load_draft_vocab(path: str, size: int, vocab_size: int) -> np.ndarray:
+    """The first `size` ids [N] int32 of the ranking at `path` (`experiments.draft_vocab`: an
+    int32 array of target ids, most frequent first), checked: distinct ids of [0, vocab_size)."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) \
+            or not 1 <= size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be an int in [1, {vocab_size}] (the target's "
+                         f"vocabulary), got {size!r}")
+    ranking = np.load(path, allow_pickle=False)
+    if ranking.ndim != 1 or not np.issubdtype(ranking.dtype, np.integer):
+        raise ValueError(f"draft vocabulary {path!r} must be a 1-D integer array of token ids, "
+                         f"got {ranking.dtype} {ranking.shape}")
+    if len(ranking) < size:
+        raise ValueError(f"draft vocabulary {path!r} ranks {len(ranking)} ids; "
+                         f"draft_vocab_size={size} asks for more")
+    ids = ranking[:size].astype(np.int64)
+    if ids.min() < 0 or ids.max() >= vocab_size or len(np.unique(ids)) != size:
+        raise ValueError(f"the first {size} ids of {path!r} must be distinct token ids in "
+                         f"[0, {vocab_size}): is it the ranking of this target's vocabulary?")
+    return ids.astype(np.int32)
+
+
+DraftVocab = tuple[jax.Array, jax.Array]  # (head rows [N, E], target ids [N] int32), on device
+
+
+def _draft_vocab(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
+    """The LM-head rows of `ids` (a copy, [N, E]) and the ids, on device; None: every id."""
+    if ids is None:
+        return None
+    head = (model.embed if model.lm_head is None else model.lm_head)[...]
+    return jnp.take(head, jnp.asarray(ids), axis=0), jnp.asarray(ids, jnp.int32)
+
+
+def _draw_subset(hidden: jax.Array, vocab: DraftVocab, vocab_size: int,
+                 sampling: SamplingArrays, keys: jax.Array, sampled: bool
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """`draw` over the reduced vocabulary from final hidden states [B, E]: target ids [B] and,
+    when `sampled`, q over the target's vocabulary [B, V] (zero outside the subset)."""
+    rows, ids = vocab
+    choice, probs = draw(dense(hidden, rows, "be,ve->bv"), sampling, keys, with_probs=sampled)
+    if probs is not None:
+        probs = jnp.zeros((hidden.shape[0], vocab_size), probs.dtype).at[:, ids].set(probs)
+    return ids[choice], probs
+
+
+def _no_logits(batch: int) -> jax.Array:
+    """A `logit_index` that picks no position: the forward's vocabulary projection is empty."""
+    return jnp.zeros((batch, 0), jnp.int32)
+
 
 def _step_meta(positions: jax.Array, write: jax.Array, tables: jax.Array) -> AttentionMetadata:
     """One token per row at `positions` [B], written only where `write` [B] bool."""
@@ -89,8 +147,9 @@ class _ModelProposer:
     samples_drafts = True
 
     def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, vocab: DraftVocab | None) -> None:
         self.config = config
+        self._vocab = vocab  # None: drafts score the whole vocabulary
         self.k = config.num_speculative_tokens
         self.cache = PagedKVCache.create(num_layers, config.num_pages, config.page_size,
                                          num_kv_heads, head_dim, "float32",
@@ -231,47 +290,63 @@ class _ModelProposer:
 
 
 class DraftModelProposer(_ModelProposer):
-    """A small Llama sharing the target's tokenizer drafts k tokens autoregressively."""
+    """A small Llama sharing the target's tokenizer drafts k tokens autoregressively; with
+    `vocab_ids` [N] (target ids), over those ids only."""
 
     catch_up_width = 2
 
-    def __init__(self, draft: Llama, config: "RunnerConfig") -> None:
+    def __init__(self, draft: Llama, config: "RunnerConfig",
+                 vocab_ids: np.ndarray | None = None) -> None:
         c = draft.config
-        super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim)
+        super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
+                         _draft_vocab(draft, vocab_ids))
         bound = binding(draft)
         bind, self.params = bound.bind, bound.params
+        vocab_size = c.vocab_size
 
         def forward(params, cache, tokens, meta):
-            _, _, cache = bind(params)(tokens, cache, meta, logit_index=jnp.zeros(
-                (tokens.shape[0], 1), jnp.int32))
+            _, _, cache = bind(params)(tokens, cache, meta,
+                                       logit_index=_no_logits(tokens.shape[0]))
             return cache
 
-        def chain(params, cache, tokens, meta, limits, sampling, sample_index, k, sampled):
+        def chain(params, vocab, cache, tokens, meta, limits, sampling, sample_index, k,
+                  sampled):
             model = bind(params)
-            logits, _, cache = model(tokens, cache, meta,
-                                     logit_index=jnp.maximum(meta.q_lens - 1, 0)[:, None])
+            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+
+            def run(tokens, cache, meta, last):
+                """The forward; what drafts come from at position `last` [B, 1]: the logits
+                [B, V], or with a reduced vocabulary the final hidden state [B, E]."""
+                if vocab is None:
+                    logits, _, cache = model(tokens, cache, meta, logit_index=last)
+                    return logits[:, 0], cache
+                _, hidden, cache = model(tokens, cache, meta, logit_index=_no_logits(len(tokens)))
+                return jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0], cache
+
+            state, cache = run(tokens, cache, meta, last)
             drafts, probs = [], []
             next_position = meta.lengths  # x_n sits at lengths - 1
             for j in range(k):
-                token, p = draw(logits[:, 0], sampling,
-                                draft_keys(sampling.seeds, sample_index, j), with_probs=sampled)
+                keys = draft_keys(sampling.seeds, sample_index, j)
+                token, p = (draw(state, sampling, keys, with_probs=sampled) if vocab is None else
+                            _draw_subset(state, vocab, vocab_size, sampling, keys, sampled))
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:  # feed draft j+1 (1-based) only if the row wants draft j+2
                     step_meta = _step_meta(next_position + j, j + 1 < limits, meta.page_tables)
-                    logits, _, cache = model(token[:, None], cache, step_meta)
+                    state, cache = run(token[:, None], cache, step_meta, jnp.zeros_like(last))
             drafts = jnp.stack(drafts, axis=1)
             return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
 
         self._forward_jit = jax.jit(forward, donate_argnums=1)
-        self._chain_jit = jax.jit(chain, donate_argnums=1, static_argnums=(7, 8))
+        self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(8, 9))
 
     def _forward(self, cache, tokens, meta):
         return self._forward_jit(self.params, cache, tokens, meta)
 
     def _chain(self, cache, tokens, meta, limits, sampling, sample_index, k, sampled):
-        return self._chain_jit(self.params, cache, tokens, meta, limits, sampling, sample_index,
-                               k, sampled)
+        return self._chain_jit(self.params, self._vocab, cache, tokens, meta, limits, sampling,
+                               sample_index, k, sampled)
 
     def _last_pending(self, seq: SeqState) -> int:
         return seq.num_computed + 1  # through x_n, the token the target is about to verify from
@@ -296,11 +371,13 @@ class _EagleDraft(nnx.Module):
 class EagleProposer(_ModelProposer):
     """EAGLE: the head turns the target's feature h_t and token x_{t+1} into ĥ_{t+1}, whose
     logits through the target's head give a draft; its own predictions then stand in for the
-    features of the drafts."""
+    features of the drafts. With `vocab_ids` [N] (target ids), the logits of those ids only."""
 
-    def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig") -> None:
+    def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig",
+                 vocab_ids: np.ndarray | None = None) -> None:
         c = head.config
-        super().__init__(config, 1, c.num_kv_heads, c.head_dim)
+        super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids))
+        vocab_size = target.config.vocab_size
         self.catch_up_width = config.num_speculative_tokens + 1
         self.hidden_size = c.hidden_size
         bound = binding(_EagleDraft(head, target))
@@ -311,8 +388,8 @@ class EagleProposer(_ModelProposer):
             _, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
             return cache
 
-        def chain(params, cache, features, next_tokens, meta, limits, sampling, sample_index, k,
-                  sampled):
+        def chain(params, vocab, cache, features, next_tokens, meta, limits, sampling,
+                  sample_index, k, sampled):
             m = bind(params)
             predicted, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
             last = jnp.maximum(meta.q_lens - 1, 0)
@@ -320,8 +397,12 @@ class EagleProposer(_ModelProposer):
             slot = meta.lengths  # the next row's slot: rows t sit at slot t
             drafts, probs = [], []
             for j in range(k):
-                token, p = draw(m.target.logits(feature), sampling,
-                                draft_keys(sampling.seeds, sample_index, j), with_probs=sampled)
+                keys = draft_keys(sampling.seeds, sample_index, j)
+                # A reduced vocabulary's token is the target id already: its target embedding
+                # is what the head reads next.
+                token, p = (draw(m.target.logits(feature), sampling, keys, with_probs=sampled)
+                            if vocab is None else
+                            _draw_subset(feature, vocab, vocab_size, sampling, keys, sampled))
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:
@@ -333,15 +414,15 @@ class EagleProposer(_ModelProposer):
             return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
 
         self._forward_jit = jax.jit(forward, donate_argnums=1)
-        self._chain_jit = jax.jit(chain, donate_argnums=1, static_argnums=(8, 9))
+        self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(9, 10))
 
     def _forward(self, cache, features, next_tokens, meta):
         return self._forward_jit(self.params, cache, features, next_tokens, meta)
 
     def _chain(self, cache, features, next_tokens, meta, limits, sampling, sample_index, k,
                sampled):
-        return self._chain_jit(self.params, cache, features, next_tokens, meta, limits, sampling,
-                               sample_index, k, sampled)
+        return self._chain_jit(self.params, self._vocab, cache, features, next_tokens, meta,
+                               limits, sampling, sample_index, k, sampled)
 
     def _last_pending(self, seq: SeqState) -> int:
         return seq.num_computed  # rows t < n: the feature of x_n comes with the next verify

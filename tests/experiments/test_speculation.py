@@ -1,6 +1,7 @@
 """Smoke test of experiments/speculation.py on the tiny model: both parts run end to end, the
 JSONL rows carry their fields with sane values, greedy speculation changes no token, a method
-without weights is skipped with a note, and a resumed run measures no point already written."""
+without weights is skipped with a note, suffix decoding runs on its own (repetitive) prompts,
+and a resumed run measures no point already written."""
 
 from __future__ import annotations
 
@@ -40,28 +41,35 @@ def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> Non
     # Prompts that repeat themselves, so prompt lookup has something to propose.
     grounded = [np.tile(rng.integers(0, CONFIG.vocab_size, 12), 3).tolist() for _ in range(2)]
     chat = [rng.integers(0, CONFIG.vocab_size, 20).tolist() for _ in range(2)]
+    repetitive = [rng.integers(0, CONFIG.vocab_size, 16).tolist()] * 2  # one answer, twice
     real_missing = speculation.missing_weights
     monkeypatch.setattr(speculation, "missing_weights",
                         lambda m: "/nonexistent/draft.safetensors" if m == "draft"
                         else real_missing(m))
     out = str(tmp_path / "speculation.jsonl")
+    prompts = {"grounded": grounded, "chat": chat, "repetitive": repetitive}
     rows = speculation.run(
-        parts=["engine", "tree"], methods=["ngram", "draft"], ks=[2], temperatures=[0.0],
-        batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200, warmup="pass",
-        tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0, out=out,
-        loaded=(CONFIG, model, None), prompts={"grounded": grounded, "chat": chat},
+        parts=["engine", "tree"], methods=["ngram", "draft", "suffix"], ks=[2],
+        temperatures=[0.0], batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200,
+        warmup="pass", tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0,
+        out=out, loaded=(CONFIG, model, None), prompts=prompts,
         eagle_path=str(tmp_path / "no_eagle.safetensors"))
     printed = capsys.readouterr().out
     assert "skipping method 'draft'" in printed and "| method |" in printed
     assert (tmp_path / "speculation.png").exists()
 
     stored = read_jsonl(out)
-    assert len(stored) == len(rows) == 2 + 2 + 3  # baselines, ngram per batch, tree part
+    # Baselines per batch and prompt kind, ngram and suffix per batch, the tree part.
+    assert len(stored) == len(rows) == 4 + 2 + 2 + 3
     assert all(r["method"] != "draft" for r in stored)
+    assert {(r["method"], r["prompts"]) for r in stored if r["part"] == "engine"} == {
+        ("none", "grounded"), ("none", "repetitive"), ("ngram", "grounded"),
+        ("suffix", "repetitive")}
     # Timed passes built no program (a compile or a cache load would be in the timing).
     assert all(r["programs_built_while_timed"] == 0 for r in stored if r["part"] == "engine")
-    spec = [r for r in stored if r["part"] == "engine" and r["method"] == "ngram"]
-    assert {r["batch"] for r in spec} == {1, 2}
+    spec = [r for r in stored if r["part"] == "engine" and r["method"] in ("ngram", "suffix")]
+    assert {(r["method"], r["batch"]) for r in spec} == {(m, b) for m in ("ngram", "suffix")
+                                                         for b in (1, 2)}
     for r in spec:
         for key in ("decode_tok_s", "baseline_decode_tok_s", "speedup", "acceptance_rate",
                     "alpha_mle", "tokens_per_verify", "draft_cost_ratio", "verify_cost_ratio",
@@ -91,10 +99,27 @@ def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> Non
     monkeypatch.setattr(speculation, "run_workload", measured)
     monkeypatch.setattr(speculation, "time_tree_pieces", measured)
     again = speculation.run(
-        parts=["engine", "tree"], methods=["ngram", "draft"], ks=[2], temperatures=[0.0],
-        batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200, warmup="pass",
-        tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0, out=out,
-        loaded=(CONFIG, model, None), prompts={"grounded": grounded, "chat": chat},
+        parts=["engine", "tree"], methods=["ngram", "draft", "suffix"], ks=[2],
+        temperatures=[0.0], batch_sizes=[1, 2], num_prompts=2, max_tokens=12, snippet_chars=200,
+        warmup="pass", tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0,
+        out=out, loaded=(CONFIG, model, None), prompts=prompts,
         eagle_path=str(tmp_path / "no_eagle.safetensors"), resume=True)
     assert [r["key"] for r in again] == [r["key"] for r in rows]
     assert len(read_jsonl(out)) == len(rows)
+
+
+def test_prompt_kinds() -> None:
+    assert speculation.prompt_kind_of("ngram") == "grounded"
+    assert speculation.prompt_kind_of("suffix") == "repetitive"
+    assert speculation.prompt_kind_of("eagle") == "chat"
+    assert speculation.prompt_kind_of("ngram", "repetitive") == "repetitive"
+
+
+def test_repetitive_prompts_repeat_their_instruction() -> None:
+    from experiments.workloads import RECORD_TEMPLATES, record_prompts
+
+    texts = record_prompts(6)
+    assert len(set(texts)) == 6 and texts == record_prompts(6)  # varied, and reproducible
+    for i, text in enumerate(texts):
+        instruction = RECORD_TEMPLATES[i % 2].split("\n\n")[0]
+        assert text.startswith(instruction) and "{" not in text

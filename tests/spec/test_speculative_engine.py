@@ -1,7 +1,7 @@
-"""Speculative decoding inside the engine: every proposer (n-gram, draft model, self-draft,
-EAGLE head) leaves greedy outputs exactly those of plain decoding, on SmolLM2 and on a tiny
-model under preemption; rejected drafts roll back (the cache holds what plain decoding would
-have written, and no page past the accepted length stays taken)."""
+"""Speculative decoding inside the engine: every proposer (n-gram, suffix, draft model,
+self-draft, EAGLE head) leaves greedy outputs exactly those of plain decoding, on SmolLM2 and
+on a tiny model under preemption; rejected drafts roll back (the cache holds what plain decoding
+would have written, and no page past the accepted length stays taken)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def serve(model, tokenizer, prompts, spec, params, **overrides):
 
 
 def tiny_specs(paths: dict[str, str]) -> list[SpeculativeConfig]:
-    return [SpeculativeConfig("ngram", 3),
+    return [SpeculativeConfig("ngram", 3), SpeculativeConfig("suffix", 3),
             SpeculativeConfig("self_draft", 4, self_draft_layers=1),
             SpeculativeConfig("draft", 2, draft_path=paths["draft"]),
             SpeculativeConfig("eagle", 3, eagle_path=paths["eagle"])]

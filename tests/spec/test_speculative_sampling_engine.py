@@ -42,7 +42,7 @@ PROMPT = [3, 6, 6, 6, 6, 6, 6, 4, 3, 6]
 SAMPLING = dict(temperature=9.0, top_k=4, top_p=0.9, max_tokens=4, ignore_eos=True)
 NUM_TOKENS = 3
 NUM_REQUESTS = 400
-SPECS = {"ngram": SpeculativeConfig("ngram", 2),
+SPECS = {"ngram": SpeculativeConfig("ngram", 2), "suffix": SpeculativeConfig("suffix", 2),
          "self_draft": SpeculativeConfig("self_draft", 2, self_draft_layers=1)}
 
 
@@ -137,6 +137,24 @@ def test_speculative_sampling_keeps_the_joint_law(tiny_model, exact_law, method)
     counts, spec_stats = sample_joint(tiny_model, SPECS[method], NUM_REQUESTS)
     # Without both outcomes of the acceptance test, the law would say nothing about the rule;
     # more drafts than drafting rows: the chain's second position was verified too.
+    assert 0 < spec_stats["accepted"] < spec_stats["proposed"], spec_stats
+    assert spec_stats["proposed"] > spec_stats["rows"], spec_stats
+    assert chi_square_pvalue(counts, exact_law) > 1e-3
+
+
+def test_a_reduced_draft_vocabulary_keeps_the_joint_law(tiny_model, exact_law, tmp_path
+                                                        ) -> None:
+    """FR-Spec: the self-draft scores 16 ids only, two of the target's likely tokens here (6, 183)
+    and 14 it never samples here. Its q is 0 at every other token the target samples (1, 414,
+    348, ...): those come only from the residual of a rejection."""
+    support = {t for outcome in exact_law for t in outcome}
+    assert {6, 183, 1, 414} <= support
+    filler = [t for t in range(TINY.vocab_size) if t not in support]
+    path = str(tmp_path / "ranking.npy")
+    np.save(path, np.asarray([6, 183] + filler, np.int32))
+    spec = SpeculativeConfig("self_draft", 2, self_draft_layers=1, draft_vocab_size=16,
+                             draft_vocab_path=path)
+    counts, spec_stats = sample_joint(tiny_model, spec, NUM_REQUESTS)
     assert 0 < spec_stats["accepted"] < spec_stats["proposed"], spec_stats
     assert spec_stats["proposed"] > spec_stats["rows"], spec_stats
     assert chi_square_pvalue(counts, exact_law) > 1e-3
