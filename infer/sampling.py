@@ -111,6 +111,20 @@ def sample_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> 
     return SampleLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32, the same index for every input (ties and NaNs: the
+    first). On CPU as a max, then the first index holding it: XLA:CPU runs argmax's (value,
+    index) reduction element by element, 0.28 ms over SmolLM2's 49,152 logits and 1.3 ms over
+    five rows of them (a verify step's k + 1 = 5), against 0.10 and 0.24 ms for the two
+    vectorized reductions; elsewhere argmax itself."""
+    if jax.default_backend() != "cpu":
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    top = jnp.max(x, axis=-1, keepdims=True)  # NaN when the row holds one, as argmax takes it
+    hit = (x == top) | (jnp.isnan(x) & jnp.isnan(top))
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def warp_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """Logits [B, V] -> the logits whose softmax is each row's sampling distribution:
     divided by the temperature, with tokens outside top-k and outside the top-p nucleus at -inf.
@@ -161,7 +175,7 @@ def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_prob
     With a bitmask (`sampling.allowed`), every row draws among its allowed tokens only."""
     if sampling.allowed is not None:
         logits = constrain(logits, sampling.allowed)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def sampled(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         warped = warp_logits(logits, sampling)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.sampling import (SamplingArrays, draft_keys, draw, sample, sampling_probs, token_keys,
-                            verify_keys, warp_logits)
+from infer.sampling import (SamplingArrays, argmax, draft_keys, draw, sample, sampling_probs,
+                            token_keys, verify_keys, warp_logits)
 from infer.sampling_params import SamplingParams
 
 V = 12
@@ -201,3 +201,32 @@ def test_draw_is_sample_and_gives_the_warped_distribution() -> None:
     assert int(tokens[1]) == int(jnp.argmax(logits[1]))
     assert (np.asarray(probs[0]) > 0).sum() == 4  # top-k 4
     assert draw(logits, arrays, keys)[1] is None
+
+
+def test_argmax_is_jnp_argmax_on_ties_nans_and_infinities() -> None:
+    """The CPU formulation (a max, then its first index) returns jnp.argmax's index for every
+    row: random logits, rows of few distinct values (ties: the first), rows with NaNs (the first
+    NaN), all -inf, signed zeros, over random shapes (a decode step's [B, V], a verify step's
+    [B, k+1, V], a tree node's [V])."""
+    rng = np.random.default_rng(0)
+    fn = jax.jit(argmax)
+    for trial in range(40):
+        shape = tuple(rng.integers(1, 6, rng.integers(0, 3))) + (int(rng.integers(1, 300)),)
+        kind = trial % 5
+        if kind == 0:
+            x = rng.standard_normal(shape).astype(np.float32)
+        elif kind == 1:
+            x = rng.integers(0, 3, shape).astype(np.float32)
+        elif kind == 2:
+            x = rng.standard_normal(shape).astype(np.float32)
+            x[rng.random(shape) < 0.05] = np.nan
+        elif kind == 3:
+            x = np.where(rng.random(shape) < 0.5, -np.inf, np.inf).astype(np.float32)
+            x[..., : shape[-1] // 2] = -np.inf
+        else:
+            x = np.where(rng.random(shape) < 0.5, -0.0, 0.0).astype(np.float32)
+        got = np.asarray(fn(jnp.asarray(x)))
+        assert got.dtype == np.int32 and got.shape == shape[:-1]
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    row = jnp.full((1, 7), -jnp.inf)
+    assert int(fn(row)[0]) == 0

@@ -56,8 +56,12 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     one-row bfloat16 dot down a path that first converts the whole weight to float32 (the
     [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took 31 ms, against 2.9 ms for two
     rows; a decode step at batch 1 took 153 ms, against 17 ms padded). Float32 one-row products
-    are fast as they are, and accelerators are not affected."""
+    are fast as they are; a float32 product of a few rows with a [N, K] weight (a verify
+    step's k + 1 positions through the vocabulary projection) is a multiply-and-reduce on CPU
+    (`_reduces_few_rows`). Accelerators are not affected."""
     x = x.astype(w.dtype)
+    if _reduces_few_rows(x, w, equation):
+        return _few_rows_product(x, w)
     if not _pads_single_rows(x, w):
         return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
     rows = x[None] if x.ndim == 1 else x  # a vector (only "..." equations take one): one row
@@ -69,6 +73,35 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
 def _pads_single_rows(x: jax.Array, w: jax.Array) -> bool:
     return (math.prod(x.shape[:-1]) == 1 and w.dtype.itemsize < 4
             and jax.default_backend() == "cpu")
+
+
+# Rows up to which a float32 product against a [N, K] weight is a multiply-and-reduce on CPU.
+FEW_ROWS = 8
+
+
+def _reduces_few_rows(x: jax.Array, w: jax.Array, equation: str) -> bool:
+    """A float32 product of 2..FEW_ROWS rows with a weight stored [N, K] (the vocabulary
+    projection: "...e,ve->...v") on CPU. XLA:CPU multiplies one row by a GEMV that reads the
+    weight once (SmolLM2's [1, 576] x [49152, 576]^T: 2.9 ms) but 2-8 rows by a GEMM that costs
+    twice that (5.4-6.0 ms, whichever operand goes first), which made a verify step of k + 1
+    positions pay a second projection; the same product as an elementwise multiply summed over
+    K, into [N, M], reads the weight once: 3.4-3.6 ms for 2-4 rows, 4.1-4.5 ms for 5-8. One
+    row stays a GEMV (the reduction took 340 ms there), 16-bit weights a GEMM (2.4-2.6 ms for
+    2-5 bfloat16 rows already), and weights stored [K, N] a GEMM (their products barely change
+    from 1 to 5 rows)."""
+    if (jax.default_backend() != "cpu" or w.dtype != jnp.float32 or w.ndim != 2
+            or not 2 <= math.prod(x.shape[:-1]) <= FEW_ROWS):
+        return False
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return rhs[1] == lhs[-1] and out == lhs[:-1] + rhs[0]
+
+
+def _few_rows_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] times w [N, K] over K -> [..., N] in float32, as one multiply-and-reduce."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = jnp.sum(w[:, None, :] * rows[None, :, :], axis=-1)  # [N, M]: the layout measured
+    return out.T.reshape(*x.shape[:-1], w.shape[0])
 
 
 class RMSNorm(nnx.Module):

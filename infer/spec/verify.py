@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.sampling import SamplingArrays, sampling_probs, verify_keys
+from infer.sampling import SamplingArrays, argmax, sampling_probs, verify_keys
 
 _TINY = float(np.finfo(np.float32).tiny)
 
@@ -48,7 +48,7 @@ def verify_greedy(target_logits: jax.Array, draft_tokens: jax.Array,
     """[B, k+1, V], [B, k], [B] -> num_accepted [B], tokens [B, k+1]: accept drafts while they
     equal the target's argmax, then emit the target's argmax at the first mismatch (or bonus)."""
     k = draft_tokens.shape[1]
-    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+    target = argmax(target_logits)  # [B, k+1]
     ok = (draft_tokens == target[:, :k]) & (jnp.arange(k) < num_draft[:, None])
     n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     last = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
@@ -79,7 +79,7 @@ def verify_sampled(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens
     resid = jnp.maximum(p_n - q_n, 0.0)
     # p == q leaves no residual; a rejection then has probability 0, so any fallback is exact.
     resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_n)
-    last = jnp.argmax(jnp.log(resid) + gumbel, axis=-1).astype(jnp.int32)
+    last = argmax(jnp.log(resid) + gumbel)
     return n, _emit(draft_tokens, n, last)
 
 
@@ -89,7 +89,7 @@ def verify_tree_greedy(target_logits: jax.Array, tree_tokens: jax.Array, parents
     from the root, step to the first child whose token is the target's argmax at the current
     node, as deep as possible; next_token is the argmax at the last node of the path."""
     def choose(logits, node, step):
-        return jnp.argmax(logits[node])
+        return argmax(logits[node])
     return _walk(choose, (target_logits,), tree_tokens, parents, max_depth)
 
 
@@ -112,7 +112,7 @@ def verify_tree_sampled(target_probs: jax.Array, tree_tokens: jax.Array, parents
     which duplicate, if any, is taken).
     """
     def choose(probs, gumbel, node, step):  # Gumbel-max: a draw from probs[node]
-        return jnp.argmax(jnp.log(probs[node]) + gumbel[step])
+        return argmax(jnp.log(probs[node]) + gumbel[step])
     depth = tree_depth(parents) if max_depth is None else max_depth
     shape = (depth + 1, target_probs.shape[-1])
     gumbel = -jnp.log(-jnp.log(_uniform(key, len(target_probs), shape)))

@@ -1,6 +1,7 @@
 """`dense`, the one place a weight multiplies activations: a one-row 16-bit product (which
 XLA:CPU would otherwise send down a slow path that upcasts the whole weight) is padded to two
-rows, and the padding must not change any value or shape."""
+rows, and a float32 product of a few rows with a [N, K] weight is a multiply-and-reduce on CPU;
+neither may change any value beyond float32 rounding, nor any shape."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.model.llama import dense
+from infer.model.llama import FEW_ROWS, _reduces_few_rows, dense
 
 EQUATIONS = [("bte,ef->btf", (1, 1, 48), (48, 80)), ("btf,fe->bte", (1, 1, 80), (80, 48)),
              ("...e,ve->...v", (1, 1, 48), (96, 48)), ("...e,ve->...v", (1, 48), (96, 48)),
@@ -39,3 +40,41 @@ def test_a_one_row_product_equals_its_row_in_a_two_row_batch() -> None:
     one = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))(x[:1], w)
     two = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))(x, w)
     np.testing.assert_allclose(np.asarray(one), np.asarray(two[:1]), rtol=1e-6, atol=1e-6)
+
+
+def test_few_row_products_match_the_einsum_over_random_rows_and_shapes() -> None:
+    """Random row counts (1 to FEW_ROWS + 2, as leading shapes a step gives: [M, K], [1, M, K],
+    [B, T, K]) and weight shapes, in both weight layouts: the product equals the float32 einsum
+    to float32 rounding, with its shape and dtype. The multiply-and-reduce is taken exactly for
+    2..FEW_ROWS rows of a float32 [N, K] weight on CPU."""
+    rng = np.random.default_rng(0)
+    cpu = jax.default_backend() == "cpu"
+    taken = 0
+    for trial in range(60):
+        m = int(rng.integers(1, FEW_ROWS + 3))
+        k, n = int(rng.integers(1, 200)), int(rng.integers(1, 300))
+        lead = [(m,), (1, m), (m, 1)][trial % 3]
+        if trial % 4 == 3 and m % 2 == 0:
+            lead = (2, m // 2)
+        transposed = trial % 5 == 4  # [K, N]: "...e,ef->...f", never reduced
+        equation = "...e,ef->...f" if transposed else "...e,ve->...v"
+        x = jnp.asarray(rng.standard_normal((*lead, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((k, n) if transposed else (n, k)), jnp.float32)
+        reduced = _reduces_few_rows(x, w, equation)
+        assert reduced == (cpu and not transposed and 2 <= m <= FEW_ROWS)
+        taken += reduced
+        got = jax.jit(lambda x, w: dense(x, w, equation))(x, w)
+        want = jnp.einsum(equation, x, w, precision=jax.lax.Precision.HIGHEST)
+        assert got.shape == want.shape == (*lead, n) and got.dtype == jnp.float32
+        scale = np.sqrt(k) * 4  # |sum of k products of unit normals| bound, for the rounding
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=scale * 4 * np.finfo(np.float32).eps)
+    assert taken or not cpu
+
+
+def test_the_reduction_is_only_for_float32_weights_stored_n_by_k() -> None:
+    x = jnp.ones((3, 16), jnp.float32)
+    assert not _reduces_few_rows(x, jnp.ones((32, 16), jnp.bfloat16), "...e,ve->...v")
+    assert not _reduces_few_rows(x, jnp.ones((16, 32), jnp.float32), "...e,ef->...f")
+    assert not _reduces_few_rows(x[None], jnp.ones((16, 32), jnp.float32), "bte,ef->btf")
+    assert not _reduces_few_rows(x[:1], jnp.ones((32, 16), jnp.float32), "...e,ve->...v")
