@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
+from infer.spec.proposer import catch_up
 
 
 def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -98,12 +99,7 @@ class NgramProposer:
         if index is None:
             index = self._indexes[request.request_id] = NgramIndex(max_n=self.max_n,
                                                                    min_n=self.min_n)
-        known = len(index.tokens)
-        prompt = request.prompt_token_ids
-        if known < len(prompt):
-            index.extend(prompt[known:])
-            known = len(prompt)
-        index.extend(request.output_ids[known - len(prompt):])
+        catch_up(index, request)
         return index
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int

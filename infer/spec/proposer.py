@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
+from infer.engine.request import Request
 
 
 class Proposer(Protocol):
@@ -35,3 +36,22 @@ class Proposer(Protocol):
     def warmup(self) -> int: ...
 
 
+
+
+class TokenIndex(Protocol):
+    """A host proposer's per-request index over the tokens a request has so far: it only grows
+    (rejected drafts are never appended)."""
+    tokens: list[int]
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+
+def catch_up(index: TokenIndex, request: Request) -> None:
+    """Appends to `index` the request's tokens it has not seen: the rest of the prompt, then
+    the outputs accepted since its last proposal."""
+    known = len(index.tokens)
+    prompt = request.prompt_token_ids
+    if known < len(prompt):
+        index.extend(prompt[known:])
+        known = len(prompt)
+    index.extend(request.output_ids[known - len(prompt):])

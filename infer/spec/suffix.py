@@ -61,6 +61,7 @@ import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.engine.request import Request
+from infer.spec.proposer import catch_up
 
 _NONE, _STALE = -1, -2  # a node's best child when it has none / when it must be rescanned
 
@@ -399,12 +400,7 @@ class SuffixProposer:
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = SuffixIndex(self.depth)
-        known = len(index.tokens)
-        prompt = request.prompt_token_ids
-        if known < len(prompt):
-            index.extend(prompt[known:])
-            known = len(prompt)
-        index.extend(request.output_ids[known - len(prompt):])
+        catch_up(index, request)
         return index
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
