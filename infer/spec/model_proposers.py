@@ -58,6 +58,7 @@ from infer.spec.eagle_head import EagleHead
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
 
+
 def load_draft_vocab(path: str, size: int, vocab_size: int) -> np.ndarray:
     """The first `size` ids [N] int32 of the ranking at `path` (`experiments.draft_vocab`: an
     int32 array of target ids, most frequent first), checked: distinct ids of [0, vocab_size)."""
