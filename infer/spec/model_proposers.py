@@ -53,6 +53,7 @@ from infer.engine.plan import PrefillChunk, SeqState
 from infer.model.binding import binding
 from infer.model.llama import Llama, dense
 from infer.sampling import SamplingArrays, draft_keys, draw
+from infer.sampling_params import is_integer
 from infer.spec.eagle_head import EagleHead
 
 if TYPE_CHECKING:
@@ -62,8 +63,7 @@ if TYPE_CHECKING:
 def load_draft_vocab(path: str, size: int, vocab_size: int) -> np.ndarray:
     """The first `size` ids [N] int32 of the ranking at `path` (`experiments.draft_vocab`: an
     int32 array of target ids, most frequent first), checked: distinct ids of [0, vocab_size)."""
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) \
-            or not 1 <= size <= vocab_size:
+    if not is_integer(size) or not 1 <= size <= vocab_size:
         raise ValueError(f"draft_vocab_size must be an int in [1, {vocab_size}] (the target's "
                          f"vocabulary), got {size!r}")
     ranking = np.load(path, allow_pickle=False)
@@ -91,15 +91,19 @@ def _draft_vocab(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
     return jnp.take(head, jnp.asarray(ids), axis=0), jnp.asarray(ids, jnp.int32)
 
 
-def _draw_subset(hidden: jax.Array, vocab: DraftVocab, vocab_size: int,
-                 sampling: SamplingArrays, keys: jax.Array, sampled: bool
-                 ) -> tuple[jax.Array, jax.Array | None]:
-    """`draw` over the reduced vocabulary from final hidden states [B, E]: target ids [B] and,
-    when `sampled`, q over the target's vocabulary [B, V] (zero outside the subset)."""
+def _draw_draft(model: Llama, hidden: jax.Array, vocab: DraftVocab | None,
+                sampling: SamplingArrays, keys: jax.Array, sampled: bool
+                ) -> tuple[jax.Array, jax.Array | None]:
+    """`draw` from final hidden states [B, E] through `model`'s LM head, over its whole
+    vocabulary or, with `vocab`, over those rows only: target ids [B] and, when `sampled`, q
+    over the vocabulary [B, V] (zero outside the subset)."""
+    if vocab is None:
+        return draw(model.logits(hidden), sampling, keys, with_probs=sampled)
     rows, ids = vocab
     choice, probs = draw(dense(hidden, rows, "be,ve->bv"), sampling, keys, with_probs=sampled)
     if probs is not None:
-        probs = jnp.zeros((hidden.shape[0], vocab_size), probs.dtype).at[:, ids].set(probs)
+        probs = jnp.zeros((hidden.shape[0], model.config.vocab_size),
+                          probs.dtype).at[:, ids].set(probs)
     return ids[choice], probs
 
 
@@ -303,7 +307,6 @@ class DraftModelProposer(_ModelProposer):
                          _draft_vocab(draft, vocab_ids))
         bound = binding(draft)
         bind, self.params = bound.bind, bound.params
-        vocab_size = c.vocab_size
 
         def forward(params, cache, tokens, meta):
             _, _, cache = bind(params)(tokens, cache, meta,
@@ -316,11 +319,8 @@ class DraftModelProposer(_ModelProposer):
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
 
             def run(tokens, cache, meta, last):
-                """The forward; what drafts come from at position `last` [B, 1]: the logits
-                [B, V], or with a reduced vocabulary the final hidden state [B, E]."""
-                if vocab is None:
-                    logits, _, cache = model(tokens, cache, meta, logit_index=last)
-                    return logits[:, 0], cache
+                """The forward; the final hidden state [B, E] at position `last` [B, 1], what
+                drafts come from."""
                 _, hidden, cache = model(tokens, cache, meta, logit_index=_no_logits(len(tokens)))
                 return jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0], cache
 
@@ -329,8 +329,7 @@ class DraftModelProposer(_ModelProposer):
             next_position = meta.lengths  # x_n sits at lengths - 1
             for j in range(k):
                 keys = draft_keys(sampling.seeds, sample_index, j)
-                token, p = (draw(state, sampling, keys, with_probs=sampled) if vocab is None else
-                            _draw_subset(state, vocab, vocab_size, sampling, keys, sampled))
+                token, p = _draw_draft(model, state, vocab, sampling, keys, sampled)
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:  # feed draft j+1 (1-based) only if the row wants draft j+2
@@ -378,7 +377,6 @@ class EagleProposer(_ModelProposer):
                  vocab_ids: np.ndarray | None = None) -> None:
         c = head.config
         super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids))
-        vocab_size = target.config.vocab_size
         self.catch_up_width = config.num_speculative_tokens + 1
         self.hidden_size = c.hidden_size
         bound = binding(_EagleDraft(head, target))
@@ -401,9 +399,7 @@ class EagleProposer(_ModelProposer):
                 keys = draft_keys(sampling.seeds, sample_index, j)
                 # A reduced vocabulary's token is the target id already: its target embedding
                 # is what the head reads next.
-                token, p = (draw(m.target.logits(feature), sampling, keys, with_probs=sampled)
-                            if vocab is None else
-                            _draw_subset(feature, vocab, vocab_size, sampling, keys, sampled))
+                token, p = _draw_draft(m.target, feature, vocab, sampling, keys, sampled)
                 drafts.append(token)
                 probs.append(p)
                 if j + 1 < k:

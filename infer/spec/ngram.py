@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
-from infer.spec.proposer import catch_up
+from infer.spec.proposer import catch_up, pack_drafts
 
 
 def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -104,13 +104,9 @@ class NgramProposer:
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, None]:
-        drafts = np.zeros((rows, k), np.int32)
-        counts = np.zeros(rows, np.int32)
-        for i, (seq, limit) in enumerate(zip(seqs, limits)):
-            proposal = self._index(seq).propose(limit) if limit else []
-            drafts[i, :len(proposal)] = proposal
-            counts[i] = len(proposal)
-        return drafts, counts, None
+        proposals = [self._index(seq).propose(limit) if limit else []
+                     for seq, limit in zip(seqs, limits)]
+        return (*pack_drafts(proposals, rows, k), None)
 
     def commit(self, seqs: Sequence[SeqState], emitted: Sequence[Sequence[int]],
                hidden: jax.Array) -> None:

@@ -55,3 +55,15 @@ def catch_up(index: TokenIndex, request: Request) -> None:
         index.extend(prompt[known:])
         known = len(prompt)
     index.extend(request.output_ids[known - len(prompt):])
+
+
+def pack_drafts(proposals: Sequence[Sequence[int]], rows: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A host proposer's per-row token lists (each at most k long) as `propose` answers them:
+    drafts [rows, k] int32 (zeros past each row's count) and counts [rows]."""
+    drafts = np.zeros((rows, k), np.int32)
+    counts = np.zeros(rows, np.int32)
+    for i, proposal in enumerate(proposals):
+        drafts[i, :len(proposal)] = proposal
+        counts[i] = len(proposal)
+    return drafts, counts

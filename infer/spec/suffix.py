@@ -54,14 +54,15 @@ from __future__ import annotations
 import array
 import collections
 import math
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.engine.request import Request
-from infer.spec.proposer import catch_up
+from infer.sampling_params import is_integer
+from infer.spec.proposer import catch_up, pack_drafts
 
 _NONE, _STALE = -1, -2  # a node's best child when it has none / when it must be rescanned
 
@@ -169,19 +170,20 @@ class SuffixTrie:
         return best
 
     def add(self, tokens: Sequence[int]) -> None:
-        tokens = [int(t) for t in tokens]
-        for start in range(len(tokens)):
-            node = 0
-            for token in tokens[start:start + self.depth]:
-                node = self._bump(node, token)
+        self._walk(tokens, self._bump)
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undoes an `add` of the same tokens (the caller must have added them)."""
+        self._walk(tokens, self._drop)
+
+    def _walk(self, tokens: Sequence[int], step: Callable[[int, int], int]) -> None:
+        """`step(parent, token)` along every substring of at most `depth` tokens, from the
+        root: one occurrence more (`_bump`) or fewer (`_drop`) of each."""
         tokens = [int(t) for t in tokens]
         for start in range(len(tokens)):
             node = 0
             for token in tokens[start:start + self.depth]:
-                node = self._drop(node, token)
+                node = step(node, token)
 
     def find(self, tokens: Sequence[int]) -> int | None:
         """The node of the string `tokens`, None when it does not occur."""
@@ -355,21 +357,18 @@ def propose_suffix(index: SuffixIndex, corpus: SuffixCorpus | None, limit: int, 
 def check_suffix_params(max_match: int, spec_factor: float, min_prob: float, max_draft: int,
                         corpus_tokens: int) -> None:
     """Raises ValueError for parameters `SuffixProposer` cannot use."""
-    def whole(value: object) -> bool:
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
     def real(value: object) -> bool:
         return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
-    if not whole(max_match) or max_match < 1:
+    if not is_integer(max_match) or max_match < 1:
         raise ValueError(f"suffix max_match must be an int >= 1, got {max_match!r}")
     if not real(spec_factor) or not spec_factor > 0 or not math.isfinite(spec_factor):
         raise ValueError(f"suffix spec_factor must be a finite number > 0, got {spec_factor!r}")
     if not real(min_prob) or not 0.0 <= min_prob <= 1.0:
         raise ValueError(f"suffix min_prob must be in [0, 1], got {min_prob!r}")
-    if not whole(max_draft) or max_draft < 1:
+    if not is_integer(max_draft) or max_draft < 1:
         raise ValueError(f"suffix max_draft must be an int >= 1, got {max_draft!r}")
-    if not whole(corpus_tokens) or corpus_tokens < 0:
+    if not is_integer(corpus_tokens) or corpus_tokens < 0:
         raise ValueError(f"suffix corpus_tokens must be an int >= 0 (0: no corpus), got "
                          f"{corpus_tokens!r}")
 
@@ -405,17 +404,14 @@ class SuffixProposer:
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, None]:
-        drafts = np.zeros((rows, k), np.int32)
-        counts = np.zeros(rows, np.int32)
-        for i, (seq, limit) in enumerate(zip(seqs, limits)):
-            if not limit:
-                continue
-            self._requests[seq.request.request_id] = seq.request
-            proposal = propose_suffix(self._index(seq), self.corpus, min(limit, k),
-                                      self.max_match, self.spec_factor, self.min_prob)
-            drafts[i, :len(proposal)] = proposal
-            counts[i] = len(proposal)
-        return drafts, counts, None
+        proposals = []
+        for seq, limit in zip(seqs, limits):
+            if limit:
+                self._requests[seq.request.request_id] = seq.request
+            proposals.append(propose_suffix(self._index(seq), self.corpus, min(limit, k),
+                                            self.max_match, self.spec_factor, self.min_prob)
+                             if limit else [])
+        return (*pack_drafts(proposals, rows, k), None)
 
     def commit(self, seqs: Sequence[SeqState], emitted: Sequence[Sequence[int]],
                hidden: jax.Array) -> None:

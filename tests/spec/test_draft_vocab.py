@@ -15,7 +15,7 @@ from infer.model.config import get_config
 from infer.sampling import SamplingArrays
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
-from infer.spec.model_proposers import _draw_subset, load_draft_vocab
+from infer.spec.model_proposers import _draw_draft, load_draft_vocab
 
 TINY = get_config("tiny")
 V = TINY.vocab_size
@@ -156,9 +156,9 @@ def test_a_subset_holding_every_full_draft_drafts_the_same(tiny_model, tiny_weig
             np.testing.assert_array_equal(d_a[row, :count], d_b[row, :count])
 
 
-def test_draw_subset_is_the_draw_over_those_ids() -> None:
+def test_draw_subset_is_the_draw_over_those_ids(tiny_model) -> None:
     """Greedy: the argmax of the full logits among the subset; sampled: q is the row's warped
-    softmax over the subset's logits, placed at their ids."""
+    softmax over the subset's logits, placed at their ids (over the model's vocabulary)."""
     rng = np.random.default_rng(0)
     e, n = 8, 5
     head = jnp.asarray(rng.normal(size=(V, e)), jnp.float32)
@@ -168,7 +168,7 @@ def test_draw_subset_is_the_draw_over_those_ids() -> None:
               SamplingParams(temperature=1.3, top_k=3, seed=2)]
     sampling = SamplingArrays.from_params(params)
     keys = jax.random.split(jax.random.key(0), 3)
-    tokens, probs = _draw_subset(hidden, (head[ids], ids), V, sampling, keys, True)
+    tokens, probs = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys, True)
     full = np.asarray(hidden @ head.T)
     sub = full[:, np.asarray(ids)]
     assert int(tokens[0]) == int(ids[np.argmax(sub[0])])
@@ -177,7 +177,7 @@ def test_draw_subset_is_the_draw_over_those_ids() -> None:
     np.testing.assert_allclose(np.asarray(probs)[1, np.asarray(ids)], want, rtol=1e-5)
     assert np.count_nonzero(np.asarray(probs)[2]) == 3  # top-k among the subset
     np.testing.assert_array_equal(np.delete(np.asarray(probs), np.asarray(ids), axis=1), 0)
-    greedy_only, none = _draw_subset(hidden, (head[ids], ids), V, sampling, keys, False)
+    greedy_only, none = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys, False)
     assert none is None and int(greedy_only[0]) == int(tokens[0])
 
 
