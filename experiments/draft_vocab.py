@@ -71,20 +71,16 @@ def coverage(ranking: Any, tokens: Any, sizes: Sequence[int]) -> dict[int, float
 
 def generate(steps: Any, prompts: list[list[int]], params: list[Any], new_tokens: int,
              batch_size: int, eos: set[int]) -> list[list[int]]:
-    """Each prompt's continuation through its first end-of-turn token (kept), batch by batch."""
-    import numpy as np
+    """Each prompt's continuation through its first end-of-turn token (kept), batch by batch:
+    `spec_data.continuations`, the training data's own."""
     from tqdm import tqdm
 
-    from infer.engine.simple_loop import decode_stream
+    from experiments.spec_data import continuations
 
     out = []
     for lo in tqdm(range(0, len(prompts), batch_size), desc="batches"):
         rows = slice(lo, lo + batch_size)
-        generated = np.stack(list(decode_stream(steps, prompts[rows], params[rows], new_tokens)),
-                             axis=1)
-        for gen in generated.tolist():
-            stop = next((j + 1 for j, t in enumerate(gen) if t in eos), len(gen))
-            out.append(gen[:stop])
+        out += continuations(steps, prompts[rows], params[rows], new_tokens, eos)
     return out
 
 
@@ -96,8 +92,8 @@ def run(*, data: str, num_sequences: int, prompt_len: int, new_tokens: int, temp
     import numpy as np
 
     from experiments.common import ResultLog, real_text
-    from experiments.spec_data import load_training_data
-    from experiments.workloads import TRAIN_CHARS, build_prompts, split_heldout, training_prompts
+    from experiments.spec_data import load_training_data, training_rows
+    from experiments.workloads import TRAIN_CHARS, build_prompts, split_heldout
     from infer.engine.device_steps import DeviceSteps
     from infer.io.loader import load
     from infer.sampling_params import SamplingParams
@@ -111,12 +107,8 @@ def run(*, data: str, num_sequences: int, prompt_len: int, new_tokens: int, temp
         generated = [arrays["tokens"][i, arrays["prompt_lens"][i]:arrays["lengths"][i]].tolist()
                      for i in range(len(arrays["lengths"]))]
     else:
-        rng = np.random.default_rng(seed)
-        prompts, _ = training_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
-        greedy = rng.random(num_sequences) < greedy_fraction
-        params = [SamplingParams() if greedy[i] else
-                  SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + i) % 2**32)
-                  for i in range(num_sequences)]
+        prompts, _, _, params = training_rows(tokenizer, num_sequences, prompt_len,
+                                              chat_fraction, greedy_fraction, temperature, seed)
         generated = generate(steps, prompts, params, new_tokens, batch_size, eos)
     gen_seconds = time.perf_counter() - start
     train, held = split_heldout(len(generated))

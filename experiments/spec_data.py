@@ -36,6 +36,41 @@ flags.DEFINE_integer("batch_size", 16, "rows generated together", flag_values=FL
 flags.DEFINE_integer("seed", 0, "seed of the prompt choice and of the sampled rows", flag_values=FLAGS)
 flags.DEFINE_string("out", ".cache/spec_data/smollm2.npz", "output .npz", flag_values=FLAGS)
 
+def training_rows(tokenizer, num_sequences: int, prompt_len: int, chat_fraction: float,
+                  greedy_fraction: float, temperature: float, seed: int) -> tuple:
+    """The rows of the training data before generation: (prompts, chat [N] bool, greedy [N]
+    bool, SamplingParams per row), greedy rows at temperature 0, the others at `temperature`
+    with a seed per row (see the module docstring)."""
+    import numpy as np
+
+    from experiments.workloads import training_prompts
+    from infer.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    prompts, chat = training_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
+    greedy = rng.random(num_sequences) < greedy_fraction
+    params = [SamplingParams() if greedy[i] else
+              SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + i) % 2**32)
+              for i in range(num_sequences)]
+    return prompts, chat, greedy, params
+
+
+def continuations(steps, prompts: list[list[int]], params: list, new_tokens: int,
+                  eos: set[int]) -> list[list[int]]:
+    """One batch: each prompt's continuation (at most `new_tokens`) through its first
+    end-of-turn token, which is kept."""
+    import numpy as np
+
+    from infer.engine.simple_loop import decode_stream
+
+    generated = np.stack(list(decode_stream(steps, prompts, params, new_tokens)), axis=1)
+    out = []
+    for gen in generated.tolist():
+        stop = next((j + 1 for j, t in enumerate(gen) if t in eos), len(gen))
+        out.append(gen[:stop])
+    return out
+
+
 def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: int,
                            temperature: float, seed: int, out_path: str, batch_size: int = 16,
                            greedy_fraction: float = 0.5, chat_fraction: float = 0.5) -> dict:
@@ -45,20 +80,18 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.workloads import TRAIN_CHARS, training_prompts
+    from experiments.workloads import TRAIN_CHARS
     from infer.cache.contiguous import KVCache
     from infer.cache.metadata import AttentionMetadata
     from infer.engine.device_steps import DeviceSteps
-    from infer.engine.simple_loop import decode_stream
     from infer.io.loader import load
-    from infer.sampling_params import SamplingParams
 
     start_time = time.perf_counter()
     config, model, tokenizer = load("smollm2-135m", "float32")
     steps = DeviceSteps(model)
-    rng = np.random.default_rng(seed)
-    prompts, chat = training_prompts(tokenizer, num_sequences, prompt_len, chat_fraction, rng)
-    greedy = rng.random(num_sequences) < greedy_fraction
+    prompts, chat, greedy, params = training_rows(tokenizer, num_sequences, prompt_len,
+                                                  chat_fraction, greedy_fraction, temperature,
+                                                  seed)
     eos = set(tokenizer.eos_ids)
     width = max(len(p) for p in prompts) + new_tokens
     width = -(-width // 16) * 16  # one shape for every batch's feature pass
@@ -74,15 +107,9 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
 
     for lo in tqdm(range(0, num_sequences, batch_size), desc="batches"):
         rows = range(lo, min(lo + batch_size, num_sequences))
-        params = [SamplingParams() if greedy[i] else
-                  SamplingParams(temperature=temperature, seed=(seed * 1_000_003 + i) % 2**32)
-                  for i in rows]
-        generated = np.stack(list(decode_stream(steps, [prompts[i] for i in rows], params,
-                                                new_tokens)), axis=1)  # [B, new_tokens]
-        for j, i in enumerate(rows):
-            gen = list(generated[j])
-            stop = next((k + 1 for k, t in enumerate(gen) if int(t) in eos), len(gen))
-            seq = prompts[i] + [int(t) for t in gen[:stop]]
+        for i, gen in zip(rows, continuations(steps, prompts[lo:rows.stop], params[lo:rows.stop],
+                                              new_tokens, eos)):
+            seq = prompts[i] + gen
             tokens[i, :len(seq)] = seq
             lengths[i] = len(seq)
 
