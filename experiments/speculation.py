@@ -192,6 +192,12 @@ class ProposerProbe:
                 "propose_calls": len(self.calls)}
 
 
+def verify_records(records: Sequence[Any], probe: ProposerProbe) -> list[Any]:
+    """The step records during which the probed proposer proposed drafts: the verify steps."""
+    starts = [s for s, _, c in probe.calls if any(c)]
+    return [r for r in records if any(r.start_s <= s <= r.end_s for s in starts)]
+
+
 def decode_time(records: Sequence[Any], probe: ProposerProbe | None = None
                 ) -> dict[str, float]:
     """Time and row-steps of the decode steps among `records`; with a probe, also the mean
@@ -201,8 +207,7 @@ def decode_time(records: Sequence[Any], probe: ProposerProbe | None = None
            "decode_row_steps": sum(r.decode_rows for r in decode)}
     out["decode_step_s"] = out["decode_s"] / len(decode) if decode else float("nan")
     if probe is not None:
-        starts = [s for s, _, c in probe.calls if any(c)]
-        verify = [r for r in decode if any(r.start_s <= s <= r.end_s for s in starts)]
+        verify = verify_records(decode, probe)
         out["verify_step_s"] = (sum(r.end_s - r.start_s for r in verify) / len(verify)
                                 if verify else float("nan"))
     return out

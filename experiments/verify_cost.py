@@ -45,24 +45,18 @@ PAGE = 16
 
 
 def _timer(repeats: int):
-    """time(fn, cache) -> (median seconds, cache): fn(cache) returns (outputs, cache); the cache
-    is donated, so each call takes the one the previous returned."""
-    import time
-
-    import jax
-    import numpy as np
+    """time(fn, cache) -> (median seconds, cache): `median_time` of fn(cache), which returns
+    (outputs, cache); the cache is donated, so each call takes the one the previous returned."""
+    from experiments.common import median_time
 
     def time_it(fn, cache):
-        for _ in range(3):
-            out, cache = fn(cache)
-            jax.block_until_ready(out)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out, cache = fn(cache)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - start)
-        return float(np.median(times)), cache
+        held = [cache]
+
+        def call():
+            out, held[0] = fn(held[0])
+            return out
+
+        return median_time(call, repeats, warmup=3), held[0]
 
     return time_it
 
@@ -229,7 +223,7 @@ def engine_host(loaded, ks: list[int], dtype: str) -> dict[int, dict[str, float]
     experiment's grounded prompts (3 prompts, 32 tokens, after a pass that compiles)."""
     import numpy as np
 
-    from experiments.speculation import ProposerProbe
+    from experiments.speculation import ProposerProbe, verify_records
     from experiments.workloads import build_prompts
     from infer.llm import LLM
     from infer.sampling_params import SamplingParams
@@ -252,8 +246,7 @@ def engine_host(loaded, ks: list[int], dtype: str) -> dict[int, dict[str, float]
         steps = [r for r in llm.engine.step_records(first) if r.kind == "decode"]
         propose = 0.0
         if probe is not None:
-            starts = [s for s, _, c in probe.calls if any(c)]
-            steps = [r for r in steps if any(r.start_s <= s <= r.end_s for s in starts)]
+            steps = verify_records(steps, probe)
             propose = probe.summary()["propose_s"] / max(len(probe.calls), 1)
         out = {f"{prefix}_ms": 1e3 * (np.mean([r.end_s - r.start_s for r in steps]) - propose),
                f"{prefix}_propose_ms": 1e3 * propose}
