@@ -18,6 +18,8 @@ copy); suffix decoding gets repetitive ones (two extraction instructions over ma
 one shape: templated answers, whose template its corpus of finished outputs holds); the model
 drafts (draft, self_draft, eagle) get chat prompts. --prompt_kind gives every method one kind
 (`--methods=ngram,suffix --prompt_kind=repetitive`: n-gram as suffix decoding's peer). Each
+--draft_confidence gives the model drafts a confidence stop (`SpeculativeConfig.draft_confidence`;
+its rows say `draft_confidence`, the tables' `stop`). Each
 timed pass starts suffix decoding with an empty corpus, so a pass repeated for warm-up drafts
 nothing from its own earlier outputs. Snippets come from
 `real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
@@ -95,6 +97,9 @@ flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_value
 flags.DEFINE_integer("draft_vocab_size", 0, "model drafts score only this many of the most "
                      "frequent target ids (FR-Spec, weights/draft_vocab_smollm2.npy); 0: the "
                      "whole vocabulary", flag_values=FLAGS)
+flags.DEFINE_float("draft_confidence", 0.0, "model drafts stop before the first draft whose "
+                   "running product of top probabilities is below this (EAGLE-2's confidence); "
+                   "0: no stop", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
@@ -307,7 +312,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
                warmup: str, seed: int, loaded, log,
                prompts: dict[str, list[list[int]]] | None = None, draft_vocab_size: int = 0,
-               prompt_kind: str = "") -> None:
+               prompt_kind: str = "", draft_confidence: float = 0.0) -> None:
     """Baselines per batch size, prompt kind and temperature, then every runnable method x k
     against them, each row written to `log` as it is measured. `prompts` (kind -> token ids)
     replaces the held-out SmolLM2 prompts."""
@@ -383,28 +388,32 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         base_llm.cache_clear()  # its KV cache goes before the speculative engines
         for method in runnable:
             kind = prompt_kind_of(method, prompt_kind)
-            # In the point only when set: the keys of full-vocabulary rows stay as they were.
-            vocab = ({"draft_vocab_size": draft_vocab_size}
-                     if draft_vocab_size and method in DRAFT_VOCAB_METHODS else {})
+            # In the point only when set: the keys of rows without them stay as they were.
+            extras = {}
+            if method in DRAFT_VOCAB_METHODS:
+                extras = {name: value for name, value in (("draft_vocab_size", draft_vocab_size),
+                                                         ("draft_confidence", draft_confidence))
+                         if value}
             for k in ks:
                 @functools.cache
-                def spec_llm(method=method, k=k, batch=batch, vocab=vocab):
-                    llm = engine(batch, {"method": method, "num_tokens": k, **vocab})
+                def spec_llm(method=method, k=k, batch=batch, extras=extras):
+                    llm = engine(batch, {"method": method, "num_tokens": k, **extras})
                     return llm, ProposerProbe(llm.engine.runner.proposer)
 
-                def measure(t: float, kind=kind, k=k, batch=batch, vocab=vocab) -> dict:
+                def measure(t: float, kind=kind, k=k, batch=batch, extras=extras) -> dict:
                     llm, probe = spec_llm()
                     base = baselines[kind, t]
                     spec = timed(llm, kind, batch, t, probe)
                     same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
                             / len(base["token_ids"])) if t == 0 else None
                     row = {**spec_row(base, spec, k), "greedy_identical": same,
-                           "draft_vocab_size": vocab.get("draft_vocab_size", 0)}
+                           "draft_vocab_size": extras.get("draft_vocab_size", 0),
+                           "draft_confidence": extras.get("draft_confidence", 0.0)}
                     row.pop("token_ids")
                     return row
 
                 for t in temperatures:
-                    log.measure({**common, **vocab, "method": method, "k": k, "temperature": t,
+                    log.measure({**common, **extras, "method": method, "k": k, "temperature": t,
                                  "batch": batch, "prompts": kind,
                                  "num_prompts": max(num_prompts, batch)},
                                 lambda t=t, measure=measure: measure(t))
@@ -555,7 +564,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
 
 # -- output ----------------------------------------------------------------------------------
 
-COLUMNS = [("method", "method"), ("prompts", "prompts"), ("k", "k"), ("temperature", "T"),
+COLUMNS = [("method", "method"), ("prompts", "prompts"), ("k", "k"),
+           ("draft_confidence", "stop"), ("temperature", "T"),
            ("batch", "B"),
            ("decode_tok_s", "tok/s"), ("baseline_decode_tok_s", "base tok/s"),
            ("speedup", "speedup"), ("acceptance_rate", "accept"), ("alpha_mle", "alpha mle"),
@@ -636,8 +646,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
         seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
         eagle_path: str | None = None, resume: bool = False, tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = ""
-        ) -> list[dict[str, Any]]:
+        data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = "",
+        draft_confidence: float = 0.0) -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
     it is measured; with `resume`, points already there are not measured again). `loaded` is
     (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
@@ -657,7 +667,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         run_engine(methods=methods, ks=ks, temperatures=temperatures, batch_sizes=batch_sizes,
                    num_prompts=num_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
                    warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts,
-                   draft_vocab_size=draft_vocab_size, prompt_kind=prompt_kind)
+                   draft_vocab_size=draft_vocab_size, prompt_kind=prompt_kind,
+                   draft_confidence=draft_confidence)
     if "tree" in parts:
         run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,

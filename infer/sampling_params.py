@@ -18,7 +18,8 @@ def is_integer(x: object) -> bool:
     mistake, not 1 token)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
-def _real(x: object) -> bool:
+def is_real(x: object) -> bool:
+    """A real number (int, float, numpy float or integer, Fraction), but not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 def _finite(x: numbers.Real) -> bool:
@@ -110,9 +111,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         problems = []
-        if not (_real(self.temperature) and _finite(self.temperature) and self.temperature >= 0):
+        if not (is_real(self.temperature) and _finite(self.temperature) and self.temperature >= 0):
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_real(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (is_integer(self.top_k) and self.top_k >= 0):
             problems.append(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")

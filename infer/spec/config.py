@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from infer.model.llama import Llama
+from infer.sampling_params import is_real
 from infer.spec.draft_model import load_draft, self_draft
 from infer.spec.eagle_head import load_eagle
 from infer.spec.model_proposers import DraftModelProposer, EagleProposer, load_draft_vocab
@@ -53,6 +54,11 @@ class SpeculativeConfig:
     # ranking at `draft_vocab_path` (experiments.draft_vocab); None scores all of them.
     draft_vocab_size: int | None = None
     draft_vocab_path: str = os.path.join(WEIGHTS_DIR, "draft_vocab_smollm2.npy")
+    # A confidence stop (EAGLE-2's estimate of a path's acceptance): a model draft's chain ends
+    # at the first draft whose running product of its own probabilities falls below this; a
+    # row with no draft left takes a plain step, and when every row has stopped the chain's
+    # remaining draft steps do not run. None: every row drafts its limit.
+    draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -67,6 +73,14 @@ class SpeculativeConfig:
             raise FileNotFoundError(f"speculative method {self.method!r} needs its weights at "
                                     f"{path!r}; train them with experiments.train_"
                                     f"{self.method} or pass {self.method}_path")
+        if self.draft_confidence is not None:
+            if self.method not in DRAFT_VOCAB_METHODS:
+                raise ValueError(f"draft_confidence applies to the methods whose drafts come "
+                                 f"with probabilities {DRAFT_VOCAB_METHODS}; {self.method!r} "
+                                 f"has none")
+            if not is_real(self.draft_confidence) or not 0 < self.draft_confidence <= 1:
+                raise ValueError(f"draft_confidence must be a number in (0, 1] (None: no "
+                                 f"stop), got {self.draft_confidence!r}")
         if self.draft_vocab_size is not None:
             if self.method not in DRAFT_VOCAB_METHODS:
                 raise ValueError(f"draft_vocab_size applies to the methods that score a "
@@ -94,11 +108,12 @@ def make_proposer(config: SpeculativeConfig, model: Llama, runner_config: "Runne
                               config.suffix_min_prob, config.num_tokens,
                               config.suffix_corpus_tokens, config.suffix_corpus_prompts)
     if config.method == "draft":
-        return DraftModelProposer(load_draft(model, config.draft_path), runner_config, ids)
+        return DraftModelProposer(load_draft(model, config.draft_path), runner_config, ids,
+                                  config.draft_confidence)
     if config.method == "self_draft":
         return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config,
-                                  ids)
+                                  ids, config.draft_confidence)
     if config.method == "eagle":
         return EagleProposer(load_eagle(model.config, config.eagle_path), model, runner_config,
-                             ids)
+                             ids, config.draft_confidence)
     raise ValueError(f"no proposer for {config.method!r}")

@@ -93,18 +93,73 @@ def _draft_vocab(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
 
 def _draw_draft(model: Llama, hidden: jax.Array, vocab: DraftVocab | None,
                 sampling: SamplingArrays, keys: jax.Array, sampled: bool
-                ) -> tuple[jax.Array, jax.Array | None]:
+                ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """`draw` from final hidden states [B, E] through `model`'s LM head, over its whole
-    vocabulary or, with `vocab`, over those rows only: target ids [B] and, when `sampled`, q
-    over the vocabulary [B, V] (zero outside the subset)."""
+    vocabulary or, with `vocab`, over those rows only: target ids [B]; when `sampled`, q over
+    the vocabulary [B, V] (zero outside the subset), else None; and the draft's confidence [B]
+    (XLA drops it where unused): the top probability of the distribution the row draws from,
+    its warped q when it samples, the plain softmax when it is greedy. The top, not the drawn
+    token's own probability: a stop that looked at the drawn value would keep some draws and
+    drop others, and the kept ones would no longer be distributed as the q the verifier
+    corrects for (greedy drafts are the top, so there both are the same)."""
+    logits = model.logits(hidden) if vocab is None else dense(hidden, vocab[0], "be,ve->bv")
+    choice, probs = draw(logits, sampling, keys, with_probs=sampled)
+    confidence = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+    if probs is not None:
+        confidence = jnp.where(sampling.temperature > 0, jnp.max(probs, axis=-1), confidence)
     if vocab is None:
-        return draw(model.logits(hidden), sampling, keys, with_probs=sampled)
-    rows, ids = vocab
-    choice, probs = draw(dense(hidden, rows, "be,ve->bv"), sampling, keys, with_probs=sampled)
+        return choice, probs, confidence
+    ids = vocab[1]
     if probs is not None:
         probs = jnp.zeros((hidden.shape[0], model.config.vocab_size),
                           probs.dtype).at[:, ids].set(probs)
-    return ids[choice], probs
+    return ids[choice], probs, confidence
+
+
+Feed = Callable[[jax.Array, jax.Array, int, jax.Array, PagedKVCache],
+                tuple[jax.Array, PagedKVCache]]
+
+
+def _draft_chain(draw_from: Callable[[jax.Array, int], tuple[jax.Array, jax.Array | None,
+                                                                jax.Array]],
+                 feed: Feed, state: jax.Array, cache: PagedKVCache, limits: jax.Array, k: int,
+                 confidence: float | None
+                 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, PagedKVCache]:
+    """k drafts per row, each fed back to get the next: the loop both model proposers run.
+
+    `draw_from(state, j)` draws draft j from the state [B, E] it comes from; `feed(state,
+    tokens, j, write, cache)` runs the draft model on draft j (writing its KV only where
+    `write` [B] bool) and returns the next state. A row wants its first `limits` drafts. With
+    `confidence`, a row also stops before its first draft whose running product of
+    confidences (each draft's top probability, known before the draw: see `_draw_draft`) is
+    below it; a feed no row wants is skipped at run time (`lax.cond`), so a batch of unsure
+    rows pays one draft step. Returns (drafts [B, k], q [B, k, V] or None, counts [B] or None
+    without a stop (then the limits), cache)."""
+    drafts, probs = [], []
+    alive = limits > 0
+    product = jnp.ones(limits.shape, jnp.float32)
+    counts = jnp.zeros_like(limits)
+    for j in range(k):
+        token, p, sure = draw_from(state, j)
+        drafts.append(token)
+        probs.append(p)
+        if confidence is not None:
+            product = product * sure
+            alive = alive & (product >= confidence) & (j < limits)
+            counts = counts + alive
+        if j + 1 == k:
+            break
+        write = j + 1 < limits  # feed draft j+1 (1-based) only if the row wants draft j+2
+        if confidence is None:
+            state, cache = feed(state, token, j, write, cache)
+        else:
+            write = write & alive
+            state, cache = jax.lax.cond(
+                jnp.any(write), lambda s, c: feed(s, token, j, write, c), lambda s, c: (s, c),
+                state, cache)
+    drafts = jnp.stack(drafts, axis=1)
+    q = jnp.stack(probs, axis=1) if probs[0] is not None else None
+    return drafts, q, (counts if confidence is not None else None), cache
 
 
 def _no_logits(batch: int) -> jax.Array:
@@ -152,9 +207,10 @@ class _ModelProposer:
     samples_drafts = True
 
     def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,
-                 head_dim: int, vocab: DraftVocab | None) -> None:
+                 head_dim: int, vocab: DraftVocab | None, confidence: float | None) -> None:
         self.config = config
         self._vocab = vocab  # None: drafts score the whole vocabulary
+        self.confidence = confidence  # the chain's stop (`_draft_chain`); None: none
         self.k = config.num_speculative_tokens
         self.cache = PagedKVCache.create(num_layers, config.num_pages, config.page_size,
                                          num_kv_heads, head_dim, "float32",
@@ -180,11 +236,14 @@ class _ModelProposer:
         sampled = any(not p.greedy for p in params)
         sample_index = np.zeros(rows, np.int32)
         sample_index[:len(seqs)] = [len(s.request.output_ids) for s in seqs]
-        drafts, probs, self.cache = self._chain(self.cache, *inputs, jnp.asarray(limits_arr),
-                                                sampling, jnp.asarray(sample_index), k, sampled)
+        drafts, probs, counts, self.cache = self._chain(
+            self.cache, *inputs, jnp.asarray(limits_arr), sampling, jnp.asarray(sample_index), k,
+            sampled)
+        counts = limits_arr.copy() if counts is None else np.asarray(counts)
         for i in active:
-            self._tracks[seqs[i].request.request_id].drafts_fed = limits[i] - 1
-        counts = limits_arr.copy()
+            # Drafts fed back: each draft but the last the row wanted, and none past a stop.
+            self._tracks[seqs[i].request.request_id].drafts_fed = min(limits[i] - 1,
+                                                                      int(counts[i]))
         self.proposed += int(counts.sum())
         return np.asarray(drafts), counts, probs
 
@@ -301,12 +360,13 @@ class DraftModelProposer(_ModelProposer):
     catch_up_width = 2
 
     def __init__(self, draft: Llama, config: "RunnerConfig",
-                 vocab_ids: np.ndarray | None = None) -> None:
+                 vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = draft.config
         super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
-                         _draft_vocab(draft, vocab_ids))
+                         _draft_vocab(draft, vocab_ids), confidence)
         bound = binding(draft)
         bind, self.params = bound.bind, bound.params
+        confidence = self.confidence
 
         def forward(params, cache, tokens, meta):
             _, _, cache = bind(params)(tokens, cache, meta,
@@ -324,19 +384,18 @@ class DraftModelProposer(_ModelProposer):
                 _, hidden, cache = model(tokens, cache, meta, logit_index=_no_logits(len(tokens)))
                 return jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0], cache
 
-            state, cache = run(tokens, cache, meta, last)
-            drafts, probs = [], []
-            next_position = meta.lengths  # x_n sits at lengths - 1
-            for j in range(k):
+            def draw_from(state, j):
                 keys = draft_keys(sampling.seeds, sample_index, j)
-                token, p = _draw_draft(model, state, vocab, sampling, keys, sampled)
-                drafts.append(token)
-                probs.append(p)
-                if j + 1 < k:  # feed draft j+1 (1-based) only if the row wants draft j+2
-                    step_meta = _step_meta(next_position + j, j + 1 < limits, meta.page_tables)
-                    state, cache = run(token[:, None], cache, step_meta, jnp.zeros_like(last))
-            drafts = jnp.stack(drafts, axis=1)
-            return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
+                return _draw_draft(model, state, vocab, sampling, keys, sampled)
+
+            def feed(state, token, j, write, cache):
+                # x_n sits at lengths - 1: draft j + 1 (1-based) at lengths + j.
+                return run(token[:, None], cache, _step_meta(meta.lengths + j, write,
+                                                             meta.page_tables),
+                           jnp.zeros_like(last))
+
+            state, cache = run(tokens, cache, meta, last)
+            return _draft_chain(draw_from, feed, state, cache, limits, k, confidence)
 
         self._forward_jit = jax.jit(forward, donate_argnums=1)
         self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(8, 9))
@@ -374,13 +433,15 @@ class EagleProposer(_ModelProposer):
     features of the drafts. With `vocab_ids` [N] (target ids), the logits of those ids only."""
 
     def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig",
-                 vocab_ids: np.ndarray | None = None) -> None:
+                 vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = head.config
-        super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids))
+        super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids),
+                         confidence)
         self.catch_up_width = config.num_speculative_tokens + 1
         self.hidden_size = c.hidden_size
         bound = binding(_EagleDraft(head, target))
         bind, self.params = bound.bind, bound.params
+        confidence = self.confidence
 
         def forward(params, cache, features, next_tokens, meta):
             m = bind(params)
@@ -393,22 +454,20 @@ class EagleProposer(_ModelProposer):
             predicted, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
             last = jnp.maximum(meta.q_lens - 1, 0)
             feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
-            slot = meta.lengths  # the next row's slot: rows t sit at slot t
-            drafts, probs = [], []
-            for j in range(k):
+
+            def draw_from(feature, j):
                 keys = draft_keys(sampling.seeds, sample_index, j)
                 # A reduced vocabulary's token is the target id already: its target embedding
                 # is what the head reads next.
-                token, p = _draw_draft(m.target, feature, vocab, sampling, keys, sampled)
-                drafts.append(token)
-                probs.append(p)
-                if j + 1 < k:
-                    step_meta = _step_meta(slot + j, j + 1 < limits, meta.page_tables)
-                    predicted, cache = m.head(feature[:, None], token[:, None], m.target.embed,
-                                              cache, step_meta)
-                    feature = predicted[:, 0]
-            drafts = jnp.stack(drafts, axis=1)
-            return drafts, (jnp.stack(probs, axis=1) if sampled else None), cache
+                return _draw_draft(m.target, feature, vocab, sampling, keys, sampled)
+
+            def feed(feature, token, j, write, cache):
+                # Rows t sit at slot t: the next row's slot is lengths + j.
+                predicted, cache = m.head(feature[:, None], token[:, None], m.target.embed, cache,
+                                          _step_meta(meta.lengths + j, write, meta.page_tables))
+                return predicted[:, 0], cache
+
+            return _draft_chain(draw_from, feed, feature, cache, limits, k, confidence)
 
         self._forward_jit = jax.jit(forward, donate_argnums=1)
         self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(9, 10))

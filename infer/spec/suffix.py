@@ -61,7 +61,7 @@ import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.engine.request import Request
-from infer.sampling_params import is_integer
+from infer.sampling_params import is_integer, is_real
 from infer.spec.proposer import catch_up, pack_drafts
 
 _NONE, _STALE = -1, -2  # a node's best child when it has none / when it must be rescanned
@@ -357,14 +357,11 @@ def propose_suffix(index: SuffixIndex, corpus: SuffixCorpus | None, limit: int, 
 def check_suffix_params(max_match: int, spec_factor: float, min_prob: float, max_draft: int,
                         corpus_tokens: int) -> None:
     """Raises ValueError for parameters `SuffixProposer` cannot use."""
-    def real(value: object) -> bool:
-        return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-
     if not is_integer(max_match) or max_match < 1:
         raise ValueError(f"suffix max_match must be an int >= 1, got {max_match!r}")
-    if not real(spec_factor) or not spec_factor > 0 or not math.isfinite(spec_factor):
+    if not is_real(spec_factor) or not spec_factor > 0 or not math.isfinite(spec_factor):
         raise ValueError(f"suffix spec_factor must be a finite number > 0, got {spec_factor!r}")
-    if not real(min_prob) or not 0.0 <= min_prob <= 1.0:
+    if not is_real(min_prob) or not 0.0 <= min_prob <= 1.0:
         raise ValueError(f"suffix min_prob must be in [0, 1], got {min_prob!r}")
     if not is_integer(max_draft) or max_draft < 1:
         raise ValueError(f"suffix max_draft must be an int >= 1, got {max_draft!r}")

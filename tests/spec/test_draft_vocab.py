@@ -168,16 +168,22 @@ def test_draw_subset_is_the_draw_over_those_ids(tiny_model) -> None:
               SamplingParams(temperature=1.3, top_k=3, seed=2)]
     sampling = SamplingArrays.from_params(params)
     keys = jax.random.split(jax.random.key(0), 3)
-    tokens, probs = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys, True)
+    tokens, probs, sure = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys, True)
     full = np.asarray(hidden @ head.T)
     sub = full[:, np.asarray(ids)]
+    # Confidence: the top probability of what the row draws from, over the subset: the plain
+    # softmax for the greedy row, q for the sampled ones.
+    own = np.exp(sub[0] - sub[0].max())
+    np.testing.assert_allclose(float(sure[0]), 1 / own.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(sure)[1:], np.asarray(probs)[1:].max(1), rtol=1e-6)
     assert int(tokens[0]) == int(ids[np.argmax(sub[0])])
     assert set(np.asarray(tokens).tolist()) <= set(np.asarray(ids).tolist())
     want = jax.nn.softmax(jnp.asarray(sub[1]) / 0.8)
     np.testing.assert_allclose(np.asarray(probs)[1, np.asarray(ids)], want, rtol=1e-5)
     assert np.count_nonzero(np.asarray(probs)[2]) == 3  # top-k among the subset
     np.testing.assert_array_equal(np.delete(np.asarray(probs), np.asarray(ids), axis=1), 0)
-    greedy_only, none = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys, False)
+    greedy_only, none, _ = _draw_draft(tiny_model, hidden, (head[ids], ids), sampling, keys,
+                                       False)
     assert none is None and int(greedy_only[0]) == int(tokens[0])
 
 

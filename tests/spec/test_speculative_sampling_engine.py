@@ -42,6 +42,9 @@ PROMPT = [3, 6, 6, 6, 6, 6, 6, 4, 3, 6]
 SAMPLING = dict(temperature=9.0, top_k=4, top_p=0.9, max_tokens=4, ignore_eos=True)
 NUM_TOKENS = 3
 NUM_REQUESTS = 400
+# The self-draft's top probability here is mostly 1 (top-p leaves one token) and below 0.97
+# at the positions where the first draft is a real choice: the stop ends those chains.
+CONFIDENCE_STOP = 0.97
 SPECS = {"ngram": SpeculativeConfig("ngram", 2), "suffix": SpeculativeConfig("suffix", 2),
          "self_draft": SpeculativeConfig("self_draft", 2, self_draft_layers=1)}
 
@@ -175,3 +178,18 @@ def test_a_wrong_acceptance_rule_fails(tiny_model, exact_law, monkeypatch, metho
     counts, spec_stats = sample_joint(tiny_model, SPECS[method], NUM_REQUESTS)
     assert spec_stats["proposed"] > 0
     assert chi_square_pvalue(counts, exact_law) < 1e-6
+
+
+def test_a_confidence_stop_keeps_the_joint_law(tiny_model, exact_law) -> None:
+    """The stop decides from each draft's top probability, known before the draw: rows whose
+    chain it ends take fewer drafts (or a plain step), and the law is unchanged. (A stop on the
+    drawn token's own probability would keep only some draws, a law other than q.)"""
+    spec = SpeculativeConfig("self_draft", 2, self_draft_layers=1,
+                             draft_confidence=CONFIDENCE_STOP)
+    counts, spec_stats = sample_joint(tiny_model, spec, NUM_REQUESTS)
+    _, full_stats = sample_joint(tiny_model, SPECS["self_draft"], NUM_REQUESTS // 4)
+    assert 0 < spec_stats["accepted"] < spec_stats["proposed"], spec_stats
+    assert spec_stats["proposed"] > spec_stats["rows"], spec_stats  # second drafts too
+    # Stopped: fewer drafts per request than without the stop (the seeds are the same).
+    assert spec_stats["proposed"] < 0.95 * 4 * full_stats["proposed"], (spec_stats, full_stats)
+    assert chi_square_pvalue(counts, exact_law) > 1e-3
