@@ -19,6 +19,7 @@ from infer.spec.config import SpeculativeConfig
 from infer.spec.draft_model import load_draft
 from infer.sampling import SamplingArrays
 from infer.spec.model_proposers import _draft_chain, _draw_draft
+from tests.spec.proposals import record_proposals
 
 TINY = get_config("tiny")
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -102,22 +103,10 @@ def test_confidence_is_known_before_the_draw(tiny_model) -> None:
 
 
 def serve(model, spec: SpeculativeConfig | None, prompts: list[list[int]]):
-    """Greedy outputs of `prompts` and, per propose call, (each row's tokens so far, limits,
-    drafts, counts) as host values."""
+    """Greedy outputs of `prompts`, every propose call (`Proposal`) and the speculation stats."""
     engine = Engine(model, None, EngineConfig(max_num_seqs=3, max_prefill_tokens=16,
                                               max_model_len=64, page_size=4, speculative=spec))
-    calls = []
-    if spec is not None:
-        proposer = engine.runner.proposer
-        propose = proposer.propose
-
-        def recording(seqs, limits, rows, k):
-            drafts, counts, probs = propose(seqs, limits, rows, k)
-            calls.append(([list(s.request.all_token_ids) for s in seqs], list(limits),
-                          np.asarray(drafts)[:len(seqs)].copy(), counts[:len(seqs)].copy()))
-            return drafts, counts, probs
-
-        proposer.propose = recording
+    calls = record_proposals(engine) if spec is not None else []
     ids = [engine.add_request(prompt_token_ids=p, params=GREEDY) for p in prompts]
     engine.run_until_done()
     return [engine.output(i).token_ids for i in ids], calls, engine.speculative_stats()
@@ -150,15 +139,15 @@ def test_draft_model_counts_follow_its_own_probabilities(tiny_model, tiny_weight
     def confidences(calls):
         """[rows, k] probability of each draft, and whether it is the draft model's argmax."""
         out = []
-        for tokens, limits, drafts, _ in calls:
-            table = np.ones((len(tokens), drafts.shape[1]))
-            for row, seq in enumerate(tokens):
-                for j in range(limits[row]):
-                    ids = seq + drafts[row, :j].tolist()
+        for call in calls:
+            table = np.ones((len(call.tokens), call.drafts.shape[1]))
+            for row, seq in enumerate(call.tokens):
+                for j in range(call.limits[row]):
+                    ids = seq + call.drafts[row, :j].tolist()
                     padded = np.zeros(length, np.int32)
                     padded[:len(ids)] = ids
                     p = np.asarray(next_probs(jnp.asarray(padded), jnp.asarray(len(ids))))
-                    assert int(np.argmax(p)) == drafts[row, j]  # greedy drafts are the argmax
+                    assert int(np.argmax(p)) == call.drafts[row, j]  # greedy: the argmax
                     table[row, j] = p.max()
             out.append(table)
         return out
@@ -166,8 +155,8 @@ def test_draft_model_counts_follow_its_own_probabilities(tiny_model, tiny_weight
     base = SpeculativeConfig("draft", 3, draft_path=tiny_weights["draft"])
     _, calls, _ = serve(tiny_model, base, prompts())
     tables = confidences(calls)
-    second = np.median([t[r, :2].prod() for t, (_, lim, _, _) in zip(tables, calls)
-                        for r in range(len(lim)) if lim[r] >= 2])
+    second = np.median([t[r, :2].prod() for t, call in zip(tables, calls)
+                        for r in range(len(call.limits)) if call.limits[r] >= 2])
     stopped = []
     for threshold in (0.5 * second, second, min(1.0, 1.5 * second)):
         spec = SpeculativeConfig("draft", 3, draft_path=tiny_weights["draft"],
@@ -175,13 +164,13 @@ def test_draft_model_counts_follow_its_own_probabilities(tiny_model, tiny_weight
         out, calls, _ = serve(tiny_model, spec, prompts())
         assert out == plain
         stopped.append(0)
-        for (tokens, limits, drafts, counts), table in zip(calls, confidences(calls)):
-            want = reference_counts(table, np.array(limits), threshold)
+        for call, table in zip(calls, confidences(calls)):
+            want = reference_counts(table, np.array(call.limits), threshold)
             products = np.cumprod(table, axis=1)
             # Float noise between the paged and the dense forward decides nothing here.
             if np.abs(products - threshold).min() > 1e-5:
-                np.testing.assert_array_equal(counts, want)
-            stopped[-1] += int((counts < np.array(limits)).sum())
+                np.testing.assert_array_equal(call.counts, want)
+            stopped[-1] += int((call.counts < np.array(call.limits)).sum())
     assert stopped[1] > 0 and stopped[2] > 0, stopped
 
 
@@ -197,7 +186,7 @@ def test_outputs_stay_plain_and_a_sure_nothing_drafts_nothing(tiny_model, tiny_w
         spec = SpeculativeConfig(method, 3, draft_confidence=threshold, **paths)
         out, calls, stats = serve(tiny_model, spec, prompts())
         assert out == plain, (method, threshold)
-        assert all((counts <= np.array(limits)).all() for _, limits, _, counts in calls)
+        assert all((c.counts <= np.array(c.limits)).all() for c in calls)
         if threshold == 1.0 and method == "eagle":
             assert stats["proposed"] == 0 and calls
 

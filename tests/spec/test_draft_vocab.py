@@ -16,6 +16,7 @@ from infer.sampling import SamplingArrays
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 from infer.spec.model_proposers import _draw_draft, load_draft_vocab
+from tests.spec.proposals import record_proposals
 
 TINY = get_config("tiny")
 V = TINY.vocab_size
@@ -47,20 +48,10 @@ def run(model, spec_config: SpeculativeConfig | None, params: SamplingParams):
     engine = Engine(model, None, EngineConfig(max_num_seqs=2, max_prefill_tokens=16,
                                               max_model_len=64, page_size=4,
                                               speculative=spec_config))
-    calls = []
-    if spec_config is not None:
-        proposer = engine.runner.proposer
-        propose = proposer.propose
-
-        def recording(seqs, limits, rows, k):
-            drafts, counts, probs = propose(seqs, limits, rows, k)
-            calls.append((drafts[:len(seqs)].copy(), counts[:len(seqs)].copy(),
-                          None if probs is None else np.asarray(probs)[:len(seqs)]))
-            return drafts, counts, probs
-
-        proposer.propose = recording
+    recorded = record_proposals(engine) if spec_config is not None else []
     ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts()]
     engine.run_until_done()
+    calls = [(c.drafts, c.counts, c.probs) for c in recorded]
     return [engine.output(i).token_ids for i in ids], calls
 
 
