@@ -366,7 +366,6 @@ class DraftModelProposer(_ModelProposer):
                          _draft_vocab(draft, vocab_ids), confidence)
         bound = binding(draft)
         bind, self.params = bound.bind, bound.params
-        confidence = self.confidence
 
         def forward(params, cache, tokens, meta):
             _, _, cache = bind(params)(tokens, cache, meta,
@@ -441,7 +440,6 @@ class EagleProposer(_ModelProposer):
         self.hidden_size = c.hidden_size
         bound = binding(_EagleDraft(head, target))
         bind, self.params = bound.bind, bound.params
-        confidence = self.confidence
 
         def forward(params, cache, features, next_tokens, meta):
             m = bind(params)
