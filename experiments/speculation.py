@@ -17,10 +17,9 @@ input-grounded prompts (summarize / rewrite / repeat with edits a held-out snipp
 copy); suffix decoding gets repetitive ones (two extraction instructions over many records of
 one shape: templated answers, whose template its corpus of finished outputs holds); the model
 drafts (draft, self_draft, eagle) get chat prompts. --prompt_kind gives every method one kind
-(`--methods=ngram,suffix --prompt_kind=repetitive`: n-gram as suffix decoding's peer). Each
+(`--methods=ngram,suffix --prompt_kind=repetitive`: n-gram as suffix decoding's peer).
 --draft_confidence gives the model drafts a confidence stop (`SpeculativeConfig.draft_confidence`;
-its rows say `draft_confidence`, the tables' `stop`). Each
-timed pass starts suffix decoding with an empty corpus, so a pass repeated for warm-up drafts
+its rows say `draft_confidence`, the tables' `stop`). Each timed pass starts suffix decoding with an empty corpus, so a pass repeated for warm-up drafts
 nothing from its own earlier outputs. Snippets come from
 `real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
 file is missing is skipped with a note.

@@ -24,7 +24,9 @@ WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
                            "weights")
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self_draft", "eagle", "suffix")
-# The methods whose drafts score the vocabulary through an LM head: only they can reduce it.
+# The methods whose drafts score the vocabulary through an LM head: only they can reduce it
+# (draft_vocab_size), and only their drafts come with probabilities to stop on
+# (draft_confidence).
 DRAFT_VOCAB_METHODS = ("draft", "self_draft", "eagle")
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,8 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = None
     draft_vocab_path: str = os.path.join(WEIGHTS_DIR, "draft_vocab_smollm2.npy")
     # A confidence stop (EAGLE-2's estimate of a path's acceptance): a model draft's chain ends
-    # at the first draft whose running product of its own probabilities falls below this; a
+    # before the first draft whose running product of top probabilities (each draft's, known
+    # before it is drawn: `model_proposers._draw_draft`) falls below this; a
     # row with no draft left takes a plain step, and when every row has stopped the chain's
     # remaining draft steps do not run. None: every row drafts its limit.
     draft_confidence: float | None = None

@@ -133,8 +133,8 @@ def _draft_chain(draw_from: Callable[[jax.Array, int], tuple[jax.Array, jax.Arra
     `confidence`, a row also stops before its first draft whose running product of
     confidences (each draft's top probability, known before the draw: see `_draw_draft`) is
     below it; a feed no row wants is skipped at run time (`lax.cond`), so a batch of unsure
-    rows pays one draft step. Returns (drafts [B, k], q [B, k, V] or None, counts [B] or None
-    without a stop (then the limits), cache)."""
+    rows pays one draft step. Returns (drafts [B, k], q [B, k, V] or None, counts [B]: the
+    limits without a stop, cache)."""
     drafts, probs = [], []
     alive = limits > 0
     product = jnp.ones(limits.shape, jnp.float32)
@@ -159,7 +159,7 @@ def _draft_chain(draw_from: Callable[[jax.Array, int], tuple[jax.Array, jax.Arra
                 state, cache)
     drafts = jnp.stack(drafts, axis=1)
     q = jnp.stack(probs, axis=1) if probs[0] is not None else None
-    return drafts, q, (counts if confidence is not None else None), cache
+    return drafts, q, (counts if confidence is not None else limits), cache
 
 
 def _no_logits(batch: int) -> jax.Array:
@@ -239,7 +239,7 @@ class _ModelProposer:
         drafts, probs, counts, self.cache = self._chain(
             self.cache, *inputs, jnp.asarray(limits_arr), sampling, jnp.asarray(sample_index), k,
             sampled)
-        counts = limits_arr.copy() if counts is None else np.asarray(counts)
+        counts = np.asarray(counts)
         for i in active:
             # Drafts fed back: each draft but the last the row wanted, and none past a stop.
             self._tracks[seqs[i].request.request_id].drafts_fed = min(limits[i] - 1,

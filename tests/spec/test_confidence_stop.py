@@ -68,12 +68,9 @@ def test_chain_stops_and_skips_unwanted_feeds(threshold) -> None:
         confidence = np.where(rng.random((B, K)) < 0.4, 1.0, confidence)
         limits = rng.integers(0, K + 1, B).astype(np.int32)
         drafts, q, counts, (runs, row_writes) = chain(jnp.asarray(confidence, jnp.float32), jnp.asarray(limits))
-        if threshold is None:
-            assert counts is None
-            want = limits
-        else:
-            want = reference_counts(confidence.astype(np.float32), limits, threshold)
-            np.testing.assert_array_equal(np.asarray(counts), want)
+        want = limits if threshold is None else reference_counts(confidence.astype(np.float32),
+                                                                 limits, threshold)
+        np.testing.assert_array_equal(np.asarray(counts), want)
         assert q is None
         np.testing.assert_array_equal(np.asarray(drafts), np.tile(np.arange(K), (B, 1)))
         # Row r writes draft j + 1 iff it wants draft j + 2 and has not stopped at draft j.
