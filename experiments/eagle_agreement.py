@@ -25,15 +25,19 @@ flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prom
                      flag_values=FLAGS)
 flags.DEFINE_string("eagle_path", "weights/eagle_smollm2.safetensors", "EAGLE head weights",
                     flag_values=FLAGS)
+flags.DEFINE_integer("draft_vocab_size", 0, "the head drafts over this many of the most frequent "
+                     "target ids (SpeculativeConfig's draft_vocab_size); 0: all",
+                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/eagle_agreement.jsonl", "JSONL output", flag_values=FLAGS)
 define_resume_flag(FLAGS)
 
 
-def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, int, int, int]:
-    """(answer hits, answer positions, all hits, all positions): the head's argmax draft against
-    the target's argmax, teacher-forced over prompt + answer. Answer positions are those whose
-    drafted token is an answer token after the first (the first follows the prompt's last
-    position, which the target computes itself)."""
+def agreement(target, head, prompt: list[int], answer: list[int], vocab_ids=None
+              ) -> tuple[int, int, int, int]:
+    """(answer hits, answer positions, all hits, all positions): the head's argmax draft (over
+    `vocab_ids` only when given) against the target's argmax, teacher-forced over prompt +
+    answer. Answer positions are those whose drafted token is an answer token after the first
+    (the first follows the prompt's last position, which the target computes itself)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -46,10 +50,15 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
     tokens = jnp.asarray([list(prompt) + list(answer)])
     n = tokens.shape[1]
     cache = KVCache.create(c.num_layers, 1, n, c.num_kv_heads, c.head_dim)
-    logits, hidden, _ = target(tokens, cache, AttentionMetadata.for_prefill(jnp.asarray([n]), n))
+    logits, hidden, _ = target(tokens, cache, AttentionMetadata.for_prefill(jnp.asarray([n]), n),
+                               feature_layers=head.feature_layers)
     predicted, _, _, _ = eagle_forward(head, target, hidden, tokens, jnp.asarray([n]))
     # Row t reads (h_t, x_{t+1}) and drafts x_{t+2}; the target's choice there is argmax at t+1.
-    drafted = np.asarray(jnp.argmax(eagle_logits(target, predicted), -1))[0]
+    draft_logits = np.asarray(eagle_logits(target, predicted))[0]
+    if vocab_ids is None:
+        drafted = draft_logits.argmax(-1)
+    else:
+        drafted = vocab_ids[draft_logits[:, vocab_ids].argmax(-1)]
     wanted = np.asarray(jnp.argmax(logits, -1))[0, 1:]
     hit = drafted == wanted
     # Drafted tokens the target generated, answer[0] excepted: as if the prompt ran one further.
@@ -58,7 +67,8 @@ def agreement(target, head, prompt: list[int], answer: list[int]) -> tuple[int, 
 
 
 def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: int,
-        eagle_path: str, out: str, resume: bool = False) -> list[dict]:
+        eagle_path: str, out: str, resume: bool = False, draft_vocab_size: int = 0
+        ) -> list[dict]:
     """One row per prompt kind, each appended to `out` as it is measured (with `resume`, kinds
     already there are not measured again); the table from the file."""
     import functools
@@ -68,30 +78,39 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import generate
     from infer.io.loader import load
+    from infer.spec.config import SpeculativeConfig
     from infer.spec.eagle_head import load_eagle
+    from infer.spec.model_proposers import load_draft_vocab
 
     log = ResultLog(out, resume=resume)
 
     @functools.cache
     def models():
         config, target, tokenizer = load("smollm2-135m", "float32")
-        return target, load_eagle(config, eagle_path), tokenizer, DeviceSteps(target)
+        ids = None
+        if draft_vocab_size:
+            ids = load_draft_vocab(SpeculativeConfig("eagle").draft_vocab_path, draft_vocab_size,
+                                   config.vocab_size)
+        return target, load_eagle(config, eagle_path), tokenizer, DeviceSteps(target), ids
 
     def measure(kind: str) -> dict:
-        target, head, tokenizer, plain = models()
+        target, head, tokenizer, plain, ids = models()
         totals = [0, 0, 0, 0]
         for prompt in build_prompts(tokenizer, kind, num_prompts, snippet_chars):
             answer, _ = generate(plain, prompt, max_tokens)
-            totals = [a + b for a, b in zip(totals, agreement(target, head, prompt, answer))]
+            totals = [a + b for a, b in zip(totals, agreement(target, head, prompt, answer, ids))]
         return {"answer_top1": totals[0] / totals[1], "answer_positions": totals[1],
                 "all_top1": totals[2] / totals[3], "all_positions": totals[3]}
 
     for kind in kinds:
         log.measure({"experiment": "eagle_agreement", "kind": kind, "eagle_path": eagle_path,
                      "num_prompts": num_prompts, "max_tokens": max_tokens,
-                     "snippet_chars": snippet_chars}, lambda kind=kind: measure(kind))
+                     "snippet_chars": snippet_chars,
+                     **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {})},
+                    lambda kind=kind: measure(kind))
     rows = log.rows()
-    print(markdown_table(rows, [("kind", "prompts"), ("answer_top1", "top-1 on answers"),
+    print(markdown_table(rows, [("eagle_path", "head"), ("draft_vocab_size", "draft vocab"),
+                                ("kind", "prompts"), ("answer_top1", "top-1 on answers"),
                                 ("answer_positions", "answer positions"),
                                 ("all_top1", "top-1, all positions")]))
     return rows

@@ -99,6 +99,8 @@ flags.DEFINE_integer("draft_vocab_size", 0, "model drafts score only this many o
 flags.DEFINE_float("draft_confidence", 0.0, "model drafts stop before the first draft whose "
                    "running product of top probabilities is below this (EAGLE-2's confidence); "
                    "0: no stop", flag_values=FLAGS)
+flags.DEFINE_string("eagle_path", "", "the EAGLE head (EAGLE-1 or EAGLE-3) of method eagle and "
+                    "of the tree part; empty: SpeculativeConfig's default", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
@@ -260,8 +262,9 @@ def _mean(values: Sequence[float | None]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def missing_weights(method: str) -> str | None:
-    """The weights file a method needs and lacks (None when it has what it needs)."""
+def missing_weights(method: str, eagle_path: str = "") -> str | None:
+    """The weights file a method needs and lacks (None when it has what it needs);
+    `eagle_path` in place of the default head's."""
     from infer.spec.config import SpeculativeConfig
 
     field = WEIGHT_PATHS.get(method)
@@ -270,7 +273,7 @@ def missing_weights(method: str) -> str | None:
     fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
     if field not in fields:
         return f"(this engine's SpeculativeConfig has no {field})"
-    path = fields[field].default
+    path = eagle_path if method == "eagle" and eagle_path else fields[field].default
     return None if os.path.isfile(path) else path
 
 
@@ -311,10 +314,11 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
                warmup: str, seed: int, loaded, log,
                prompts: dict[str, list[list[int]]] | None = None, draft_vocab_size: int = 0,
-               prompt_kind: str = "", draft_confidence: float = 0.0) -> None:
+               prompt_kind: str = "", draft_confidence: float = 0.0, eagle_path: str = ""
+               ) -> None:
     """Baselines per batch size, prompt kind and temperature, then every runnable method x k
     against them, each row written to `log` as it is measured. `prompts` (kind -> token ids)
-    replaces the held-out SmolLM2 prompts."""
+    replaces the held-out SmolLM2 prompts; `eagle_path` the EAGLE head."""
     import functools
 
     from tqdm import tqdm
@@ -326,7 +330,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
     config, model, tokenizer = loaded
     runnable = []
     for m in methods:
-        missing = missing_weights(m)
+        missing = missing_weights(m, eagle_path)
         if missing:
             print(f"[speculation] skipping method {m!r}: weights file {missing} is missing")
         else:
@@ -393,6 +397,8 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                 extras = {name: value for name, value in (("draft_vocab_size", draft_vocab_size),
                                                          ("draft_confidence", draft_confidence))
                          if value}
+            if method == "eagle" and eagle_path:
+                extras["eagle_path"] = eagle_path
             for k in ks:
                 @functools.cache
                 def spec_llm(method=method, k=k, batch=batch, extras=extras):
@@ -452,7 +458,7 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
 
 def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompts: int,
              max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, log,
-             prompts: list[list[int]] | None = None, eagle_path: str | None = None) -> None:
+             prompts: list[list[int]] | None = None, eagle_path: str = "") -> None:
     """Plain decoding, the EAGLE tree and the chain of its depth, per temperature, on chat
     prompts (or `prompts`), with the head at `eagle_path` (default: the engine's); each row
     written to `log` as it is measured."""
@@ -488,7 +494,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     shapes = [("tree", branches, depth), ("chain", 1, depth)]
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
     # The baseline and the speculators run the target on one DeviceSteps: bound once.
-    plain = functools.cache(lambda: DeviceSteps(model))
+    plain = functools.cache(lambda: DeviceSteps(model, feature_layers=head.feature_layers))
     specs = functools.cache(lambda b, d: TreeSpeculator(plain(), head, b, d, max_len))
     eos = tokenizer.eos_ids if tokenizer is not None else ()
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
@@ -548,7 +554,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
 
     common = {"experiment": "speculation", "part": "tree", "head": head_kind, "batch": 1,
               "num_prompts": num_prompts, "max_tokens": max_tokens,
-              "snippet_chars": snippet_chars, "seed": seed}
+              "snippet_chars": snippet_chars, "seed": seed,
+              **({"eagle_path": eagle_path} if eagle_path else {})}
     for t in temperatures:
         base = log.measure({**common, "method": "none", "tree": "none", "temperature": t},
                            lambda t=t: measure_plain(t))
@@ -644,7 +651,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
         seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
-        eagle_path: str | None = None, resume: bool = False, tensor_parallel_size: int = 1,
+        eagle_path: str = "", resume: bool = False, tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = "",
         draft_confidence: float = 0.0) -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
@@ -667,7 +674,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
                    num_prompts=num_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
                    warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts,
                    draft_vocab_size=draft_vocab_size, prompt_kind=prompt_kind,
-                   draft_confidence=draft_confidence)
+                   draft_confidence=draft_confidence, eagle_path=eagle_path or "")
     if "tree" in parts:
         run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,

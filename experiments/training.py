@@ -40,15 +40,22 @@ def training_split(path: str, max_sequences: int) -> tuple[dict, np.ndarray, np.
     return dataset, train_idx, held_idx
 
 
-def batches(data: dict, indices, batch_size: int, rng=None) -> Iterator[tuple]:
-    """Yields (tokens [B, L], hidden [B, L, E] float16, lengths [B], prompt_lens [B]) over
-    `indices` (shuffled when rng is given), every batch of `batch_size` rows: the last one padded
-    with empty rows (length 0), which every loss masks out, so a single shape is ever compiled."""
+def batches(data: dict, indices, batch_size: int, rng=None,
+            feature_keys: Sequence[str] = ("hidden",), extra_keys: Sequence[str] = ()
+            ) -> Iterator[tuple]:
+    """Yields (tokens [B, L], features [B, L, F] float16, lengths [B], prompt_lens [B], then
+    the arrays of `extra_keys`) over `indices` (shuffled when rng is given), every batch of
+    `batch_size` rows: the last one padded with empty rows (length 0), which every loss masks
+    out, so a single shape is ever compiled. The features are the arrays of `feature_keys`
+    side by side (an EAGLE-3 head's taps, then the final hidden states)."""
     order = np.array(indices) if rng is None else rng.permutation(indices)
     for lo in range(0, len(order), batch_size):
         rows = order[lo:lo + batch_size]
         pad = batch_size - len(rows)
-        out = [data[k][rows] for k in ("tokens", "hidden", "lengths", "prompt_lens")]
+        features = [data[k][rows] for k in feature_keys]
+        out = [data["tokens"][rows],
+               features[0] if len(features) == 1 else np.concatenate(features, axis=-1),
+               *(data[k][rows] for k in ("lengths", "prompt_lens", *extra_keys))]
         if pad:
             out = [np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in out]
         yield tuple(out)
@@ -102,8 +109,16 @@ class Trainer:
     metrics named in `drop` are per-position arrays the step does not return)."""
 
     def __init__(self, *, data: str, max_sequences: int, batch_size: int, epochs: int, lr: float,
-                 warmup: float, weight_decay: float, clip: float, seed: int) -> None:
+                 warmup: float, weight_decay: float, clip: float, seed: int,
+                 feature_keys: Sequence[str] = ("hidden",), extra_keys: Sequence[str] = ()
+                 ) -> None:
+        """`feature_keys` and `extra_keys`: what each batch carries (`batches`)."""
         self.dataset, self.train_idx, self.held_idx = training_split(data, max_sequences)
+        missing = [k for k in (*feature_keys, *extra_keys) if k not in self.dataset]
+        if missing:
+            raise ValueError(f"{data!r} has no {missing}: regenerate it with experiments.spec_data"
+                             f" (--feature_layers for an EAGLE-3 head's taps)")
+        self.feature_keys, self.extra_keys = tuple(feature_keys), tuple(extra_keys)
         self.batch_size, self.epochs, self.seed = batch_size, epochs, seed
         self.steps_per_epoch = math.ceil(len(self.train_idx) / batch_size)
         self.total_steps = self.steps_per_epoch * epochs
@@ -139,10 +154,11 @@ class Trainer:
 
     def heldout(self, eval_step: Callable[..., tuple[dict, ...]], *args: Any
                 ) -> list[MetricMeans]:
-        """eval_step(*args, tokens, hidden, lengths, prompt_lens) -> metric dicts over every
-        held-out batch; one MetricMeans per dict it returns."""
+        """eval_step(*args, tokens, features, lengths, prompt_lens, *extras) -> metric dicts over
+        every held-out batch; one MetricMeans per dict it returns."""
         means: list[MetricMeans] = []
-        for batch in batches(self.dataset, self.held_idx, self.batch_size):
+        for batch in batches(self.dataset, self.held_idx, self.batch_size,
+                             feature_keys=self.feature_keys, extra_keys=self.extra_keys):
             out = eval_step(*args, *batch)
             means = means or [MetricMeans() for _ in out]
             for acc, m in zip(means, out):
@@ -150,11 +166,11 @@ class Trainer:
         return means
 
     def fit(self, step: Callable[..., tuple], params: Any, opt_state: Any, *,
-            args: Callable[[Any, Any, Any, int], tuple],
+            args: Callable[..., tuple],
             epoch_done: Callable[[int, int, dict, Any], None], loss_name: str = "loss"
             ) -> tuple[Any, list[float]]:
         """The epoch loop: every training batch, shuffled by `seed`, through `step(params,
-        opt_state, *args(tokens, hidden, lengths, step_number))`, a progress bar showing the
+        opt_state, *args(tokens, features, lengths, step_number, *extras))`, a progress bar showing the
         loss (as `loss_name`), top-1 and gradient norm; `epoch_done(epoch, steps so far, the
         epoch's mean train metrics, params)` after each epoch. Returns (params, loss per step)."""
         from tqdm import tqdm
@@ -163,11 +179,12 @@ class Trainer:
         n, curve = 0, []
         for epoch in range(1, self.epochs + 1):
             train = MetricMeans()
-            bar = tqdm(batches(self.dataset, self.train_idx, self.batch_size, rng),
+            bar = tqdm(batches(self.dataset, self.train_idx, self.batch_size, rng,
+                               self.feature_keys, self.extra_keys),
                        total=self.steps_per_epoch, desc=f"epoch {epoch}/{self.epochs}")
-            for tokens, hidden, lengths, _ in bar:
-                params, opt_state, loss, m, gnorm = step(params, opt_state,
-                                                         *args(tokens, hidden, lengths, n))
+            for tokens, features, lengths, _, *extras in bar:
+                params, opt_state, loss, m, gnorm = step(
+                    params, opt_state, *args(tokens, features, lengths, n, *extras))
                 train.add(m)
                 n += 1
                 curve.append(float(loss))

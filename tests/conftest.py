@@ -84,8 +84,10 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory) -> dict[str, str]:
-    """A random draft and a random EAGLE head for `tiny_model`: exactness must not depend on how
+    """A random draft, a random EAGLE head and a random EAGLE-3 head (its fuse random too, so
+    that its drafts depend on the taps) for `tiny_model`: exactness must not depend on how
     good the proposals are."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -95,7 +97,10 @@ def tiny_weights(tmp_path_factory) -> dict[str, str]:
     from infer.spec.eagle_head import EagleHead, save_eagle
     tiny = get_config("tiny")
     root = tmp_path_factory.mktemp("tiny_weights")
-    paths = {"draft": str(root / "draft.safetensors"), "eagle": str(root / "eagle.safetensors")}
+    paths = {name: str(root / f"{name}.safetensors") for name in ("draft", "eagle", "eagle3")}
     save_draft(Llama(draft_config(tiny, 1), jnp.float32, nnx.Rngs(6)), paths["draft"])
     save_eagle(EagleHead(tiny, jnp.float32, nnx.Rngs(5)), paths["eagle"])
+    eagle3 = EagleHead(tiny, jnp.float32, nnx.Rngs(8), feature_layers=(0,))
+    eagle3.fuse.set_value(jax.random.normal(jax.random.key(9), eagle3.fuse[...].shape) / 8)
+    save_eagle(eagle3, paths["eagle3"])
     return paths

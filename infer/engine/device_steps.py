@@ -50,9 +50,14 @@ class DeviceSteps:
     """`prefill_step` and `decode_step` of one model, jitted with the cache donated; under
     `mesh` when the model's weights are placed on one (`infer.parallel.placement`)."""
 
-    def __init__(self, model: Llama, mesh: jax.sharding.Mesh | None = None) -> None:
+    def __init__(self, model: Llama, mesh: jax.sharding.Mesh | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> None:
+        """`feature_layers`: what the hidden states that prefill, forward and verify return
+        hold (`Llama.__call__`): the final hidden state alone by default, or also the residual
+        stream after those layers, for a draft head that reads several depths."""
         self.config = model.config
         self.mesh = mesh
+        self.feature_layers = tuple(feature_layers)
         self.binding: Binding[Llama] = binding(model)
         self.params: list[jax.Array] = self.binding.params
         bind = self.binding.bind
@@ -69,7 +74,8 @@ class DeviceSteps:
             if tokens.ndim == 1:  # one token per row, as a step samples them: [B] -> [B, 1]
                 tokens = tokens[:, None]
             last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
-            logits, hidden, cache = model(tokens, cache, meta, logit_index=last)
+            logits, hidden, cache = model(tokens, cache, meta, logit_index=last,
+                                          feature_layers=self.feature_layers)
             tokens, logprobs = sampled(logits[:, 0], sampling, sample_index)
             return tokens, logprobs, hidden, cache
 
@@ -84,11 +90,12 @@ class DeviceSteps:
             return state, logits, cache
 
         def forward(params, cache, tokens, meta):
-            return bind(params)(tokens, cache, meta)
+            return bind(params)(tokens, cache, meta, feature_layers=self.feature_layers)
 
         def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
                    sample_index):
-            logits, hidden, cache = bind(params)(tokens, cache, meta)
+            logits, hidden, cache = bind(params)(tokens, cache, meta,
+                                                 feature_layers=self.feature_layers)
             num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
                                                  sampling, sample_index)
             return replicate(num_accepted), replicate(emitted), hidden, cache

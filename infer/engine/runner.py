@@ -122,7 +122,7 @@ class Runner:
         self.config = config
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
-        self.device_steps = DeviceSteps(model, mesh)
+        self.device_steps = DeviceSteps(model, mesh, proposer.feature_layers if proposer else ())
         # Programs this process has run: the first run of any other compiles it (or loads it
         # from the persistent cache) inside a user's step, and says so.
         self.ready: set[Shape] = set()

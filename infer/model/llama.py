@@ -206,6 +206,11 @@ class Llama(nnx.Module):
 
     `logit_index` [B, N] picks the positions whose logits are computed (prefill needs only the
     last one; the vocabulary projection of every prompt token would dominate a short prefill).
+
+    `feature_layers` (static) widens `hidden` into features for a draft head that reads several
+    depths of the target (EAGLE-3): the residual stream after each of those decoder layers, in
+    order, then the final hidden state, [B, T, (len(feature_layers) + 1) * E]. The last E
+    columns are always the final hidden state, what the LM head multiplies.
     """
 
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype = jnp.float32,
@@ -235,12 +240,28 @@ class Llama(nnx.Module):
         return replicate(local)
 
     def __call__(self, tokens: jax.Array, cache: CacheT, meta: AttentionMetadata,
-                 logit_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array, CacheT]:
+                 logit_index: jax.Array | None = None, feature_layers: tuple[int, ...] = ()
+                 ) -> tuple[jax.Array, jax.Array, CacheT]:
+        check_feature_layers(feature_layers, self.config.num_layers)
         x = shard(self.embed_tokens(tokens), (BATCH, SEQ, EMBED))
         inv_freq = jnp.asarray(rope_frequencies(self.config))  # a compile-time constant
+        taps = []
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, i, cache, meta, inv_freq)
+            if i in feature_layers:
+                taps.append(x)
         hidden = self.norm(x)
         picked = hidden if logit_index is None else jnp.take_along_axis(
             hidden, logit_index[:, :, None], axis=1)
-        return self.logits(picked), hidden, cache
+        features = jnp.concatenate(taps + [hidden], axis=-1) if taps else hidden
+        return self.logits(picked), features, cache
+
+
+def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:
+    """Feature layers are distinct decoder-layer indices in increasing order (the order in
+    which `Llama.__call__` concatenates them, so a head's fuse weight reads them as trained)."""
+    layers = tuple(feature_layers)
+    if (any(not isinstance(i, (int, np.integer)) or not 0 <= i < num_layers for i in layers)
+            or list(layers) != sorted(set(layers))):
+        raise ValueError(f"feature_layers must be increasing distinct layer indices in "
+                         f"[0, {num_layers}), got {layers}")

@@ -36,7 +36,8 @@ class SpeculativeConfig:
     Methods: `ngram` (prompt lookup over the request's own tokens), `draft` (a small Llama
     distilled from the target, `experiments.train_draft`), `self_draft` (the target's first
     `self_draft_layers` layers with its norm and head, untrained), `eagle` (an EAGLE head over
-    the target's features, `experiments.train_eagle`), `suffix` (suffix decoding: suffix tries
+    the target's features, `experiments.train_eagle`; an EAGLE-3 head's file names the
+    target layers it fuses, which the target's steps then return), `suffix` (suffix decoding: suffix tries
     over the request's tokens and the outputs of recently finished requests, `infer.spec.suffix`,
     whose docstring gives the `suffix_*` defaults' reasons)."""
 

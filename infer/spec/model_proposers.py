@@ -205,6 +205,7 @@ class _ModelProposer:
 
     catch_up_width: int
     samples_drafts = True
+    feature_layers: tuple[int, ...] = ()  # the EAGLE proposer takes its head's
 
     def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,
                  head_dim: int, vocab: DraftVocab | None, confidence: float | None) -> None:
@@ -437,19 +438,22 @@ class EagleProposer(_ModelProposer):
         super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids),
                          confidence)
         self.catch_up_width = config.num_speculative_tokens + 1
-        self.hidden_size = c.hidden_size
+        self.feature_size = head.feature_size
+        self.feature_layers = head.feature_layers
         bound = binding(_EagleDraft(head, target))
         bind, self.params = bound.bind, bound.params
 
         def forward(params, cache, features, next_tokens, meta):
             m = bind(params)
-            _, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
+            _, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed, cache,
+                              meta)
             return cache
 
         def chain(params, vocab, cache, features, next_tokens, meta, limits, sampling,
                   sample_index, k, sampled):
             m = bind(params)
-            predicted, cache = m.head(features, next_tokens, m.target.embed, cache, meta)
+            predicted, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed,
+                                      cache, meta)
             last = jnp.maximum(meta.q_lens - 1, 0)
             feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
 
@@ -482,7 +486,7 @@ class EagleProposer(_ModelProposer):
         return seq.num_computed  # rows t < n: the feature of x_n comes with the next verify
 
     def _row_spec(self):
-        return [((self.hidden_size,), np.float32), ((), np.int32)]
+        return [((self.feature_size,), np.float32), ((), np.int32)]
 
     def _track(self, seq: SeqState) -> _Track:
         track = super()._track(seq)
@@ -492,7 +496,7 @@ class EagleProposer(_ModelProposer):
         return track
 
     def _rows(self, seq, track, start, end, pad_to):
-        features = np.zeros((1, pad_to, self.hidden_size), np.float32)
+        features = np.zeros((1, pad_to, self.feature_size), np.float32)
         tokens = np.zeros((1, pad_to), np.int32)
         features[0, :end - start] = track.features_from(start, end)
         tokens[0, :end - start] = seq.request.all_token_ids[start + 1:end + 1]

@@ -88,6 +88,7 @@ class NgramProposer:
     last n tokens (n from max_n down to min_n), from an index kept per request."""
 
     samples_drafts = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n

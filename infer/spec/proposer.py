@@ -22,6 +22,9 @@ from infer.engine.request import Request
 
 class Proposer(Protocol):
     samples_drafts: bool  # drafts may come with probabilities (sampled requests)
+    # The target's layers whose outputs come with its final hidden states in the `hidden`
+    # that commit and observe_prefill see (`Llama.__call__`): () for all but an EAGLE-3 head.
+    feature_layers: tuple[int, ...]
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, jax.Array | None]: ...

@@ -13,9 +13,16 @@ from infer.spec.eagle_head import EagleHead, eagle_forward, eagle_logits
 
 
 def feature_loss(target: Llama, predicted: jax.Array, wanted: jax.Array, mask: jax.Array,
-                 cls_weight: float | jax.Array = 0.1, target_logits: jax.Array | None = None
+                 cls_weight: float | jax.Array = 0.1, target_logits: jax.Array | None = None,
+                 vocab: tuple[jax.Array, jax.Array] | None = None,
+                 target_argmax: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """SmoothL1(ĥ, h) + cls_weight * CE(softmax(logits(h)), logits(ĥ)), averaged where mask.
+
+    With `vocab` (LM-head rows [N, E], their target ids [N]: a draft vocabulary), both logits
+    are over those ids only: the head learns the distribution it will draft from, at N/V of the
+    projection's cost. `target_argmax` [B, T], the target's argmax over its whole vocabulary,
+    decides `hit` (else the argmax of its logits here, over the subset with `vocab`).
 
     Also returns the parts and `top1` (the head's argmax equals the target's), each a mean over
     the masked positions, `count` (how many), `hit` [B, T] (per position, unmasked) and
@@ -24,13 +31,20 @@ def feature_loss(target: Llama, predicted: jax.Array, wanted: jax.Array, mask: j
     mean = lambda x: (x * mask).sum() / count
     diff = jnp.abs(predicted - wanted)
     smooth_l1 = jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)
-    draft_logits = eagle_logits(target, predicted)
+    if vocab is None:
+        logits_of, to_target_ids = (lambda h: eagle_logits(target, h)), (lambda i: i)
+    else:
+        logits_of = lambda h: jnp.einsum("...e,ve->...v", h, vocab[0].astype(jnp.float32))
+        to_target_ids = lambda i: vocab[1][i]
+    draft_logits = logits_of(predicted)
     if target_logits is None:
-        target_logits = eagle_logits(target, wanted)
+        target_logits = logits_of(wanted)
     target_logits = jax.lax.stop_gradient(target_logits)
     target_probs = jax.nn.softmax(target_logits, axis=-1)
     ce = -(target_probs * jax.nn.log_softmax(draft_logits, axis=-1)).sum(-1)
-    hit = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+    if target_argmax is None:
+        target_argmax = to_target_ids(jnp.argmax(target_logits, -1))
+    hit = (to_target_ids(jnp.argmax(draft_logits, -1)) == target_argmax).astype(jnp.float32)
     reg, cls = mean(smooth_l1), mean(ce)
     loss = reg + cls_weight * cls
     return loss, {"loss": loss, "reg": reg, "ce": cls, "top1": mean(hit), "count": mask.sum(),

@@ -99,7 +99,7 @@ class SpecState:
     target_cache: KVCache
     head_cache: KVCache
     length: jax.Array  # int32 scalar
-    pending_features: jax.Array  # [depth+1, E]
+    pending_features: jax.Array  # [depth+1, F], the target's features (`head.feature_size`)
     pending_tokens: jax.Array  # [depth+1] int32
     count: jax.Array  # int32 scalar, valid pending rows (>= 1)
     sample_index: jax.Array  # int32 scalar, tokens emitted so far (the PRNG streams' index)
@@ -127,7 +127,8 @@ def _tree_programs(bind: Bind, branches: int, depth: int):
         target, head = bind(params)
         meta = AttentionMetadata.for_prefill(state.count[None], width,
                                              cached=(state.length - state.count)[None])
-        predicted, cache = head(state.pending_features[None], state.pending_tokens[None],
+        predicted, cache = head(head.features_in(state.pending_features[None]),
+                                state.pending_tokens[None],
                                 target.embed, state.head_cache, meta)
         h_root = predicted[0, state.count - 1]
         tokens = jnp.full(n, -1, jnp.int32).at[0].set(state.root)
@@ -154,10 +155,11 @@ def _tree_programs(bind: Bind, branches: int, depth: int):
                ) -> tuple[SpecState, jax.Array, jax.Array]:
         """Target pass over the tree, the accepted path, compaction. Returns (state,
         emitted [depth+1] (accepted candidates, the target's token, then -1), accepted)."""
-        target, _ = bind(params)
+        target, head = bind(params)
         meta = AttentionMetadata.for_tree(state.length[None], jnp.int32(n)[None], node_depth,
                                           jnp.asarray(ancestors)[None])
-        logits, hidden, cache = target(tokens[None], state.target_cache, meta)
+        logits, hidden, cache = target(tokens[None], state.target_cache, meta,
+                                       feature_layers=head.feature_layers)
         if state.sampled:
             keys = verify_keys(state.sampling.seeds, state.sample_index[None])
             path, accepted, nxt = verify_tree_sampled(sampling_probs(logits, state.sampling),
@@ -191,7 +193,7 @@ def _head_prefill_program(bind: Bind, depth: int, max_len: int):
         target, head = bind(params)
         # The head commits rows 0..n-2, (h_s, x_{s+1}); (h_{n-1}, x_n) is the first pending.
         meta = AttentionMetadata.for_prefill((length - 1)[None], tokens.shape[1])
-        _, head_cache = head(hidden, jnp.roll(tokens, -1, axis=1), target.embed,
+        _, head_cache = head(head.features_in(hidden), jnp.roll(tokens, -1, axis=1), target.embed,
                              head.create_cache(1, max_len), meta)
         width = depth + 1
         features = jnp.zeros((width, hidden.shape[-1]), jnp.float32).at[0].set(
@@ -214,7 +216,12 @@ class TreeSpeculator:
 
     def __init__(self, target: Llama | DeviceSteps, head: EagleHead, branches: int, depth: int,
                  max_len: int = 512) -> None:
-        self.steps = target if isinstance(target, DeviceSteps) else DeviceSteps(target)
+        self.steps = (target if isinstance(target, DeviceSteps)
+                      else DeviceSteps(target, feature_layers=head.feature_layers))
+        if self.steps.feature_layers != head.feature_layers:
+            raise ValueError(f"the head reads the target's layers {head.feature_layers}, the "
+                             f"target's steps return {self.steps.feature_layers}: build the "
+                             f"DeviceSteps with feature_layers={head.feature_layers}")
         self.config = self.steps.config
         self.branches, self.depth, self.max_len = branches, depth, max_len
         self.parents = full_tree(branches, depth)

@@ -44,8 +44,8 @@ def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> Non
     repetitive = [rng.integers(0, CONFIG.vocab_size, 16).tolist()] * 2  # one answer, twice
     real_missing = speculation.missing_weights
     monkeypatch.setattr(speculation, "missing_weights",
-                        lambda m: "/nonexistent/draft.safetensors" if m == "draft"
-                        else real_missing(m))
+                        lambda m, eagle_path="": "/nonexistent/draft.safetensors"
+                        if m == "draft" else real_missing(m, eagle_path))
     out = str(tmp_path / "speculation.jsonl")
     prompts = {"grounded": grounded, "chat": chat, "repetitive": repetitive}
     rows = speculation.run(

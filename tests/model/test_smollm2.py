@@ -49,6 +49,39 @@ def test_logits_match_hf(smollm2, hf_smollm2, chat_prompt, which: int) -> None:
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_feature_layers_are_hf_hidden_states(smollm2, hf_smollm2) -> None:
+    """An EAGLE-3 head's taps: the residual stream after decoder layers 1 and 14 (HF's
+    hidden_states[2] and [15], before any norm), then the final hidden state (HF's last entry,
+    after the final norm), side by side in that order."""
+    import torch
+
+    _, model, tokenizer = smollm2
+    ids = tokenizer.encode(PROMPTS[1])
+    c = model.config
+    cache = KVCache.create(c.num_layers, 1, len(ids), c.num_kv_heads, c.head_dim)
+    meta = AttentionMetadata.for_prefill(jnp.asarray([len(ids)]), len(ids))
+    _, features, _ = model(jnp.asarray([ids]), cache, meta, feature_layers=(1, 14))
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    e = c.hidden_size
+    ours = np.asarray(features[0])
+    assert ours.shape == (len(ids), 3 * e)
+    for j, hf_index in enumerate((2, 15, len(ref) - 1)):
+        want = ref[hf_index][0].float().numpy()
+        scale = np.abs(want).max()
+        assert np.abs(ours[:, j * e:(j + 1) * e] - want).max() <= 1e-4 * scale, hf_index
+
+
+def test_feature_layers_are_checked(smollm2) -> None:
+    _, model, _ = smollm2
+    cache = KVCache.create(model.config.num_layers, 1, 4, model.config.num_kv_heads,
+                           model.config.head_dim)
+    meta = AttentionMetadata.for_prefill(jnp.asarray([4]), 4)
+    for bad in ((14, 1), (3, 3), (30,), (-1,)):
+        with pytest.raises(ValueError, match="feature_layers"):
+            model(jnp.zeros((1, 4), jnp.int32), cache, meta, feature_layers=bad)
+
+
 def test_cached_decode_matches_full_forward(smollm2) -> None:
     """Prefill 12 tokens, then decode 20 with the cache: each step equals the full forward."""
     _, model, tokenizer = smollm2

@@ -38,11 +38,13 @@ def target() -> Llama:
 _call = nnx.jit(lambda module, *args: module(*args))  # eager op-by-op dispatch is slow
 
 
-@nnx.jit
-def _features(target: Llama, tokens: jax.Array) -> jax.Array:
+@nnx.jit(static_argnums=2)
+def _features(target: Llama, tokens: jax.Array, feature_layers: tuple[int, ...] = ()
+              ) -> jax.Array:
     b, t = tokens.shape
     cache = KVCache.create(CONFIG.num_layers, b, t, CONFIG.num_kv_heads, CONFIG.head_dim)
-    _, hidden, _ = target(tokens, cache, AttentionMetadata.for_prefill([t] * b, t))
+    _, hidden, _ = target(tokens, cache, AttentionMetadata.for_prefill([t] * b, t),
+                          feature_layers=feature_layers)
     return hidden
 
 
@@ -220,31 +222,75 @@ def test_load_draft_uses_target_embedding(target, tmp_path):
         load_draft(target, tmp_path / "e.safetensors")
 
 
-def test_step_two_pass_equals_incremental_drafting(target):
-    """train_eagle's second pass (all positions at once) equals drafting a second token with the
-    head's cache: real rows 0..i prefilled, then (ĥ_{i+1}, x_{i+2}) decoded at position i + 1."""
-    from experiments.train_eagle import step_two_cache_class
+@pytest.mark.parametrize("layers", [(), (1,)])
+def test_test_time_passes_equal_incremental_drafting(target, layers):
+    """train_eagle's drafted steps (all positions at once) equal drafting with the head's
+    cache: real rows 0..i prefilled, then (ĥ_{i+1}, x_{i+2}) decoded at position i + 1, then
+    (ĥ_{i+2}, x_{i+3}) at i + 2; for an EAGLE-1 and an EAGLE-3 head (its real rows fused)."""
+    from experiments.train_eagle import losses
     from infer.spec.eagle_head import eagle_forward
 
     b, t = 2, 10
     tokens = jnp.asarray(np.random.default_rng(11).integers(0, CONFIG.vocab_size, (b, t)))
-    head = EagleHead(CONFIG, rngs=nnx.Rngs(12))
-    hidden = _features(target, tokens)
+    head = EagleHead(CONFIG, rngs=nnx.Rngs(12), feature_layers=layers)
+    if layers:
+        head.fuse.set_value(jax.random.normal(jax.random.key(1), head.fuse[...].shape) / 4)
+    hidden = _features(target, tokens, layers)
 
     @nnx.jit
-    def both_passes(head, target, hidden, tokens):
-        pred, _, _, cache = eagle_forward(head, target, hidden, tokens, jnp.full((b,), t))
-        meta = AttentionMetadata(
-            positions=jnp.broadcast_to(jnp.arange(1, t - 1, dtype=jnp.int32), (b, t - 2)),
-            lengths=jnp.full((b,), t - 2, jnp.int32), q_lens=jnp.full((b,), t - 2, jnp.int32))
-        cache2 = step_two_cache_class()(real_k=cache.k[0], real_v=cache.v[0])
-        return pred, head(pred[:, :-1], tokens[:, 2:], target.embed, cache2, meta)[0]
+    def passes(head, target, hidden, tokens):
+        pred, *_ = eagle_forward(head, target, hidden, tokens, jnp.full((b,), t))
+        _, _, later = losses(head, target, hidden, tokens, jnp.full((b,), t),
+                             jnp.zeros((b, t), jnp.int32), cls_weight=0.5, step2_weight=0.5,
+                             noise=0.0, key=None, drafted_steps=3)
+        return pred, [m["predicted"] for m in later]
 
-    pred, second = both_passes(head, target, hidden, tokens)
-    for i in (0, 4, t - 3):
+    pred, (second_all, third_all) = passes(head, target, hidden, tokens)
+    assert second_all.shape[1] == t - 2 and third_all.shape[1] == t - 3
+    real = nnx.jit(lambda h, x: h.features_in(x))(head, hidden)
+    for i in (0, 4, t - 4):
         cache = head.create_cache(b, t)
-        _, cache = _call(head, hidden[:, :i + 1], tokens[:, 1:i + 2], target.embed, cache,
+        _, cache = _call(head, real[:, :i + 1], tokens[:, 1:i + 2], target.embed, cache,
                          AttentionMetadata.for_prefill([i + 1] * b, i + 1))
-        out, _ = _call(head, pred[:, i:i + 1], tokens[:, i + 2:i + 3], target.embed, cache,
-                       AttentionMetadata.for_decode(jnp.full((b,), i + 1)))
-        np.testing.assert_allclose(out[:, 0], second[:, i], rtol=1e-4, atol=1e-4)
+        second, cache = _call(head, pred[:, i:i + 1], tokens[:, i + 2:i + 3], target.embed,
+                              cache, AttentionMetadata.for_decode(jnp.full((b,), i + 1)))
+        third, _ = _call(head, second, tokens[:, i + 3:i + 4], target.embed, cache,
+                         AttentionMetadata.for_decode(jnp.full((b,), i + 2)))
+        np.testing.assert_allclose(second[:, 0], second_all[:, i], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(third[:, 0], third_all[:, i], rtol=1e-4, atol=1e-4)
+
+
+def test_feature_loss_over_a_draft_vocabulary(target):
+    """With the draft vocabulary (the head's CE over a subset of ids): the whole vocabulary in
+    id order is the plain loss; a subset's CE is the cross-entropy of the two softmaxes over
+    those ids (numpy, apart from the loss); `hit` compares target ids with target_argmax."""
+    from infer.spec.training import feature_loss
+
+    rng = np.random.default_rng(13)
+    b, t, e = 2, 6, CONFIG.hidden_size
+    predicted = jnp.asarray(rng.normal(size=(b, t, e)), jnp.float32)
+    wanted = jnp.asarray(rng.normal(size=(b, t, e)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, t)) < 0.8, jnp.float32)
+    rows = target.embed[...]
+    every = (rows, jnp.arange(CONFIG.vocab_size, dtype=jnp.int32))
+    plain, m_plain = feature_loss(target, predicted, wanted, mask, 0.5)
+    full, m_full = feature_loss(target, predicted, wanted, mask, 0.5, vocab=every)
+    np.testing.assert_allclose(float(full), float(plain), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(m_full["hit"]), np.asarray(m_plain["hit"]))
+
+    ids = np.sort(rng.choice(CONFIG.vocab_size, 40, replace=False)).astype(np.int32)
+    subset = (jnp.take(rows, jnp.asarray(ids), axis=0), jnp.asarray(ids))
+    argmax = jnp.asarray(rng.choice(ids, (b, t)), jnp.int32)
+    _, m = feature_loss(target, predicted, wanted, mask, 0.5, vocab=subset, target_argmax=argmax)
+    w = np.asarray(rows)[ids]
+    draft = np.asarray(predicted) @ w.T
+    want = np.asarray(wanted) @ w.T
+    p = np.exp(want - want.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    log_q = draft - draft.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    ce = -(p * log_q).sum(-1)
+    m_np = np.asarray(mask)
+    np.testing.assert_allclose(float(m["ce"]), (ce * m_np).sum() / m_np.sum(), rtol=1e-5)
+    hit = ids[draft.argmax(-1)] == np.asarray(argmax)
+    np.testing.assert_array_equal(np.asarray(m["hit"]), hit.astype(np.float32))

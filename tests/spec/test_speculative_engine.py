@@ -1,5 +1,5 @@
 """Speculative decoding inside the engine: every proposer (n-gram, suffix, draft model,
-self-draft, EAGLE head) leaves greedy outputs exactly those of plain decoding, on SmolLM2 and
+self-draft, EAGLE and EAGLE-3 heads) leaves greedy outputs exactly those of plain decoding, on SmolLM2 and
 on a tiny model under preemption; rejected drafts roll back (the cache holds what plain decoding
 would have written, and no page past the accepted length stays taken)."""
 
@@ -42,7 +42,8 @@ def tiny_specs(paths: dict[str, str]) -> list[SpeculativeConfig]:
     return [SpeculativeConfig("ngram", 3), SpeculativeConfig("suffix", 3),
             SpeculativeConfig("self_draft", 4, self_draft_layers=1),
             SpeculativeConfig("draft", 2, draft_path=paths["draft"]),
-            SpeculativeConfig("eagle", 3, eagle_path=paths["eagle"])]
+            SpeculativeConfig("eagle", 3, eagle_path=paths["eagle"]),
+            SpeculativeConfig("eagle", 3, eagle_path=paths["eagle3"])]
 
 
 @pytest.mark.parametrize("num_pages", [None, 14])  # 14: requests get preempted

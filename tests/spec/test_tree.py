@@ -14,6 +14,7 @@ import gc
 import weakref
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from infer.io.tensors import assign_params, named_params
 from infer.model.config import get_config
 from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
-from infer.spec.eagle_head import EagleHead
+from infer.spec.eagle_head import EagleHead, from_eagle1
 from infer.spec.tree import TreeSpeculator, eagle_generate, full_tree, tree_generate
 
 CONFIG = get_config("tiny")
@@ -137,6 +138,22 @@ def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators
     assert 0 <= stats["accepted"] + stats["verify_steps"] - 39 <= depth
     if models == "oracle":  # most drafts accepted: deep paths went through every part of a step
         assert stats["mean_accepted"] > 1.0
+
+
+def test_an_eagle3_head_runs_in_the_tree(oracle, speculators) -> None:
+    """Trees with an EAGLE-3 head (the target's steps then return its taps): widened with the
+    pass-through fuse, the oracle's head gives the same tokens and acceptance as before; with
+    a random fuse it still gives plain greedy decoding; steps without the taps are refused."""
+    target, head = oracle
+    base, base_stats = tree_generate(speculators("oracle", 2, 3), PROMPT, 24)
+    widened = from_eagle1(head, (0,))
+    got, stats = tree_generate(TreeSpeculator(target, widened, 2, 3, MAX_LEN), PROMPT, 24)
+    assert got == base and stats["accepted"] == base_stats["accepted"]
+    widened.fuse.set_value(jax.random.normal(jax.random.key(0), widened.fuse[...].shape) / 8)
+    got, _ = tree_generate(TreeSpeculator(target, widened, 2, 3, MAX_LEN), PROMPT, 24)
+    assert _is_greedy(target, PROMPT, got)
+    with pytest.raises(ValueError, match="feature_layers"):
+        TreeSpeculator(DeviceSteps(target), widened, 2, 3, MAX_LEN)
 
 
 def test_plain_is_greedy_and_both_stop_at_eos(tiny, speculators, device_steps) -> None:
