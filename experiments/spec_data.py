@@ -1,7 +1,7 @@
 """Training data for speculative-decoding drafts: the target's own continuations and features.
 
   python -m experiments.spec_data --num_sequences=256 --prompt_len=64 --new_tokens=96
-  python -m experiments.spec_data --num_sequences=3200 --new_tokens=256 \
+  python -m experiments.spec_data --num_sequences=1600 --new_tokens=320 --gen_batch_size=64 \
       --self_instruct_fraction=0.5 --feature_layers=1,14 --out=.cache/spec_data/eagle3.npz
 
 SmolLM2 (the target) continues prompts built from the training part of the text (characters
@@ -12,17 +12,18 @@ of the rows instead carry an instruction SmolLM2 wrote itself (Magpie: the chat 
 a user's message, the model writes the message), for prompts more diverse than ten templates
 over one text. Half the rows decode greedily, half sample at `--temperature`, so drafts see
 both kinds of text. The plain loop generates every row until its end-of-turn token (kept) or
-`--new_tokens`, in batches of `--gen_batch_size` rows of similar prompt length. Then one `forward_step` pass per batch over prompt + continuation records
-the target's final hidden states (after the final norm: its *features*) at every position,
-the argmax of its logits there, and, with `--feature_layers`, the residual stream after those
-decoder layers (an EAGLE-3 head's taps).
+`--new_tokens`, in batches of `--gen_batch_size` rows of similar prompt length. Then one
+`forward_step` pass per batch over prompt + continuation records the target's final hidden
+states (after the final norm: its *features*) at every position, the argmax of its logits
+there, and, with `--feature_layers`, the residual stream after those decoder layers (an
+EAGLE-3 head's taps).
 
 Output, an `.npz` readable with `allow_pickle=False` (see `load_training_data`):
   tokens [N, L] int32 (0 past each row's length), hidden [N, L, E] float16, taps [N, L, n E]
   float16 (with feature layers), target_argmax [N, L] int32, lengths [N], prompt_lens [N],
   chat [N] bool, self_instruct [N] bool, greedy [N] bool, meta (a JSON string).
-The default path is under `.cache/` (git-ignored): about 60 MB for the defaults, 3-4 GB for
-the EAGLE-3 command above.
+The default path is under `.cache/` (git-ignored): about 60 MB for the defaults, 2.5 GB for
+the EAGLE-3 command above (1,600 sequences, 384,130 generated tokens; 1 h 35 min on this CPU).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 EAGLE-3 (the head fuses the target's layers 1 and 14 with its final hidden state, trained
 from the EAGLE-1 head with a three-step training-time test on the draft vocabulary):
 
-  python -m experiments.spec_data --num_sequences=3000 --new_tokens=256 \
+  python -m experiments.spec_data --num_sequences=1600 --new_tokens=320 --gen_batch_size=64 \
       --self_instruct_fraction=0.5 --feature_layers=1,14 --out=.cache/spec_data/eagle3.npz
   python -m experiments.train_eagle --data=.cache/spec_data/eagle3.npz --feature_layers=1,14 \
       --init=weights/eagle_smollm2.safetensors --draft_vocab_size=8192 --ttt_steps=3 \
@@ -179,7 +179,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     from experiments.training import Trainer, generated_mask, print_curve
     from infer.io.loader import load
     from infer.spec.eagle_head import EagleHead, from_eagle1, load_eagle, save_eagle
-    from infer.spec.model_proposers import load_draft_vocab
+    from infer.spec.model_proposers import draft_vocab_rows, load_draft_vocab
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")
@@ -192,11 +192,8 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     if layers and data_layers != layers:
         raise ValueError(f"--feature_layers={list(layers)} but {data!r} holds the taps of layers "
                          f"{list(data_layers)}")
-    vocab = None
-    if draft_vocab_size:
-        ids = load_draft_vocab(draft_vocab_path, draft_vocab_size, config.vocab_size)
-        rows = (target.embed if target.lm_head is None else target.lm_head)[...]
-        vocab = (jnp.take(rows, jnp.asarray(ids), axis=0), jnp.asarray(ids, jnp.int32))
+    vocab = draft_vocab_rows(target, load_draft_vocab(
+        draft_vocab_path, draft_vocab_size, config.vocab_size) if draft_vocab_size else None)
 
     if init:
         head = load_eagle(config, init)  # float32 master weights from the saved bfloat16

@@ -83,7 +83,7 @@ def load_draft_vocab(path: str, size: int, vocab_size: int) -> np.ndarray:
 DraftVocab = tuple[jax.Array, jax.Array]  # (head rows [N, E], target ids [N] int32), on device
 
 
-def _draft_vocab(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
+def draft_vocab_rows(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
     """The LM-head rows of `ids` (a copy, [N, E]) and the ids, on device; None: every id."""
     if ids is None:
         return None
@@ -364,7 +364,7 @@ class DraftModelProposer(_ModelProposer):
                  vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = draft.config
         super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
-                         _draft_vocab(draft, vocab_ids), confidence)
+                         draft_vocab_rows(draft, vocab_ids), confidence)
         bound = binding(draft)
         bind, self.params = bound.bind, bound.params
 
@@ -435,7 +435,7 @@ class EagleProposer(_ModelProposer):
     def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig",
                  vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = head.config
-        super().__init__(config, 1, c.num_kv_heads, c.head_dim, _draft_vocab(target, vocab_ids),
+        super().__init__(config, 1, c.num_kv_heads, c.head_dim, draft_vocab_rows(target, vocab_ids),
                          confidence)
         self.catch_up_width = config.num_speculative_tokens + 1
         self.feature_size = head.feature_size
