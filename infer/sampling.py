@@ -179,7 +179,7 @@ def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_prob
 
     def sampled(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         warped = warp_logits(logits, sampling)
-        drawn = jax.vmap(jax.random.categorical)(keys, warped).astype(jnp.int32)
+        drawn = inverse_cdf_draw(keys, warped)
         return jnp.where(sampling.temperature > 0, drawn, greedy), warped
 
     if with_probs:
@@ -188,6 +188,23 @@ def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_prob
     tokens = jax.lax.cond(jnp.any(sampling.temperature > 0), lambda x: sampled(x)[0],
                           lambda _: greedy, logits)
     return tokens, None
+
+
+def inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """A draw [B] int32 from softmax(logits [B, V]) per row, with one uniform per row (from
+    `keys` [B]) against the running sum of the unnormalized probabilities: the first id whose
+    running sum exceeds u * total. Gumbel-max (`jax.random.categorical`) takes V random numbers
+    per row instead, and on CPU those threefry draws cost several times all the rest of a
+    sampled step's sampling (64 rows of SmolLM2's 49,152 ids: 131 ms against 19 ms, measured
+    on this machine under load). Ids of probability 0 (-inf logits) are never drawn: their
+    running sum equals the one before them; a draw that float rounding puts on one takes the
+    argmax instead."""
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    running = jnp.cumsum(weights, axis=-1)
+    u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys) * running[:, -1]
+    drawn = jnp.minimum(jnp.sum(running <= u[:, None], axis=-1), logits.shape[-1] - 1)
+    possible = jnp.take_along_axis(weights, drawn[:, None], axis=-1)[:, 0] > 0
+    return jnp.where(possible, drawn, argmax(logits)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays, sample_index: jax.Array) -> jax.Array:

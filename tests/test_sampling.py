@@ -147,21 +147,49 @@ def test_arrays_refuse_an_unresolved_seed() -> None:
     assert np.asarray(padded.seeds).tolist() == [7, 0, 0]
 
 
+PINNED_ROWS = [29, 39, 16, 16, 4, 29]
+PINNED_STREAM = [37, 27, 6, 7, 11, 32, 37, 22, 23, 31, 2, 3, 39, 24, 33, 33]
+
+
 def test_the_token_stream_is_pinned() -> None:
     """Seeded outputs of plain sampling are reproducible across versions of infer: these draws
-    were made before the key rules moved into one module (fold_in(key(seed), sample_index), a
-    categorical over the warped logits). A change here changes every seeded output."""
+    pin the key rule (fold_in(key(seed), sample_index)) and the draw (one uniform per row
+    against the running sum of the warped distribution, `inverse_cdf_draw`, which replaced a
+    Gumbel-max categorical: the values below changed then). A change here changes every seeded
+    output."""
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((6, 40)), jnp.float32)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s) for t, k, p, s in
               [(1.0, 0, 1.0, 1), (0.7, 5, 1.0, 2), (1.3, 0, 0.8, 3), (0.0, 0, 1.0, 4),
                (1.0, 3, 0.9, 2**32 - 1), (2.0, 0, 1.0, 0)]]
     index = jnp.asarray([0, 1, 7, 3, 100, 12345], jnp.int32)
     got = sample_jit(logits, SamplingArrays.from_params(params), index)
-    assert np.asarray(got).tolist() == [22, 8, 11, 16, 8, 37]
+    assert np.asarray(got).tolist() == PINNED_ROWS
     row = SamplingArrays.from_params([SamplingParams(temperature=1.0, seed=7)] * 16)
     got = sample_jit(jnp.tile(logits[:1], (16, 1)), row, jnp.arange(16, dtype=jnp.int32))
-    assert np.asarray(got).tolist() == [34, 21, 3, 24, 6, 19, 6, 18, 3, 34, 24, 23, 5, 39, 17,
-                                        39]
+    assert np.asarray(got).tolist() == PINNED_STREAM
+
+
+def test_inverse_cdf_draw_over_a_whole_vocabulary() -> None:
+    """SmolLM2's vocabulary size, a third of the ids impossible (-inf): the draws follow the
+    softmax (chi-square over the 40 likeliest ids and one bin for the rest, whose 49k small
+    running-sum steps are where float rounding would show) and never land on an impossible
+    id."""
+    from infer.sampling import inverse_cdf_draw
+
+    rng = np.random.default_rng(3)
+    vocab, rows, rounds = 49152, 1000, 12
+    logits = (2.5 * rng.standard_normal(vocab)).astype(np.float32)
+    logits[rng.random(vocab) < 1 / 3] = -np.inf
+    probs = _softmax(logits)
+    draw_rows = jax.jit(lambda keys, x: inverse_cdf_draw(keys, jnp.tile(x[None], (rows, 1))))
+    draws = np.concatenate([np.asarray(draw_rows(token_keys(
+        jnp.full(rows, r, jnp.uint32), jnp.arange(rows, dtype=jnp.int32)), jnp.asarray(logits)))
+        for r in range(rounds)])
+    assert np.isfinite(logits[draws]).all()
+    top = np.argsort(-probs)[:40]
+    binned = np.where(np.isin(draws, top), np.searchsorted(np.sort(top), draws), 40)
+    binned_probs = np.append(probs[np.sort(top)], 1 - probs[top].sum())
+    assert _chi2_ok(binned, binned_probs)
 
 
 def test_the_key_streams_never_meet() -> None:
