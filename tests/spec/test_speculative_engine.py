@@ -178,6 +178,17 @@ def test_weights_shipped() -> None:
         assert os.path.isfile(os.path.join(WEIGHTS_DIR, name)), name
 
 
+def test_the_shipped_eagle3_head_reads_layers_1_and_14() -> None:
+    """The README's EAGLE-3 figures come from this file; its metadata must name the taps it was
+    trained on, or the engine would feed it the wrong layers."""
+    from infer.model.config import get_config
+    from infer.spec.eagle_head import load_eagle
+    head = load_eagle(get_config("smollm2-135m"),
+                      os.path.join(WEIGHTS_DIR, "eagle3_smollm2.safetensors"))
+    assert head.feature_layers == (1, 14)
+    assert head.feature_size == 3 * get_config("smollm2-135m").hidden_size
+
+
 def test_drafts_reserved_then_not_proposed_cross_a_window(tiny_model) -> None:
     """The scheduler reserves pages for k drafts before the proposer runs; when n-gram lookup
     then proposes nothing, the plain decode step's page table must still hold those pages (a
