@@ -192,19 +192,25 @@ def draw(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array, with_prob
 
 def inverse_cdf_draw(keys: jax.Array, logits: jax.Array) -> jax.Array:
     """A draw [B] int32 from softmax(logits [B, V]) per row, with one uniform per row (from
-    `keys` [B]) against the running sum of the unnormalized probabilities: the first id whose
-    running sum exceeds u * total. Gumbel-max (`jax.random.categorical`) takes V random numbers
-    per row instead, and on CPU those threefry draws cost several times all the rest of a
-    sampled step's sampling (64 rows of SmolLM2's 49,152 ids: 131 ms against 19 ms, measured
-    on this machine under load). Ids of probability 0 (-inf logits) are never drawn: their
+    `keys` [B]): `inverse_cdf_pick`. Gumbel-max (`jax.random.categorical`) takes V random
+    numbers per row instead, and on CPU those threefry draws cost more than the rest of a
+    sampled step's sampling (64 rows of SmolLM2's 49,152 ids: 26 ms against 66 ms,
+    `experiments.sampler_cost` on a quiet machine)."""
+    u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
+    return inverse_cdf_pick(u, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
+
+
+def inverse_cdf_pick(u: jax.Array, weights: jax.Array) -> jax.Array:
+    """The id [...] int32 drawn with probability weights / sum(weights) over the last axis of
+    `weights` [..., V] (non-negative, unnormalized) by the uniform `u` [...] in [0, 1): the
+    first id whose running sum exceeds u * total. Ids of weight 0 are never drawn: their
     running sum equals the one before them; a draw that float rounding puts on one takes the
-    argmax instead."""
-    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    heaviest id instead."""
     running = jnp.cumsum(weights, axis=-1)
-    u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys) * running[:, -1]
-    drawn = jnp.minimum(jnp.sum(running <= u[:, None], axis=-1), logits.shape[-1] - 1)
-    possible = jnp.take_along_axis(weights, drawn[:, None], axis=-1)[:, 0] > 0
-    return jnp.where(possible, drawn, argmax(logits)).astype(jnp.int32)
+    threshold = (u * running[..., -1])[..., None]
+    drawn = jnp.minimum(jnp.sum(running <= threshold, axis=-1), weights.shape[-1] - 1)
+    possible = jnp.take_along_axis(weights, drawn[..., None], axis=-1)[..., 0] > 0
+    return jnp.where(possible, drawn, argmax(weights)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sampling: SamplingArrays, sample_index: jax.Array) -> jax.Array:

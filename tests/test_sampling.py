@@ -192,6 +192,31 @@ def test_inverse_cdf_draw_over_a_whole_vocabulary() -> None:
     assert _chi2_ok(binned, binned_probs)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_inverse_cdf_pick_is_a_search_of_the_running_sum(seed: int) -> None:
+    """Against numpy's searchsorted over the running sum, for batched and unbatched weights with
+    zero-weight ids (leading, trailing, inside): the first id whose running sum exceeds u *
+    total, never a zero-weight one, u = 0 included."""
+    from infer.sampling import inverse_cdf_pick
+
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 300))
+    weights = rng.random((7, vocab)).astype(np.float32) * rng.random((7, 1)) * 10
+    weights[rng.random((7, vocab)) < 0.4] = 0
+    weights[:, 0] = 0 if seed % 2 else weights[:, 0]
+    weights[:, -1] = 0 if seed % 2 == 0 else weights[:, -1]
+    weights[np.arange(7), rng.integers(0, vocab, 7)] = 1.0  # every row can draw something
+    u = rng.random(7).astype(np.float32)
+    u[0] = 0.0
+    got = np.asarray(jax.jit(inverse_cdf_pick)(jnp.asarray(u), jnp.asarray(weights)))
+    running = np.cumsum(weights.astype(np.float64), axis=-1)
+    want = [np.searchsorted(r, ui * r[-1], side="right") for r, ui in zip(running, u)]
+    assert got.tolist() == want
+    assert (weights[np.arange(7), got] > 0).all()
+    single = [int(jax.jit(inverse_cdf_pick)(u[i], jnp.asarray(weights[i]))) for i in range(7)]
+    assert single == want
+
+
 def test_the_key_streams_never_meet() -> None:
     """Over many seeds and indices, no token key is a verify or draft key and no two drafts of
     a step share one: a shared key would correlate a verifier's accept test with the draw it

@@ -24,8 +24,9 @@ engine must move them to contiguous positions len+1..len+n (the root's stays at 
 
 Sampled rules take one PRNG key (one draw for the whole batch) or keys [B], one per row (the
 verify stream, `sampling.verify_keys(seeds, sample_index)`: with threefry keys a row's draws
-then ignore its batch neighbours). Each rule makes a single random draw (uniforms, used as
-Gumbel noise too).
+then ignore its batch neighbours). Each rule makes a single random draw: a few uniforms per
+row, for the acceptance tests and for the inverse-CDF draws (`sampling.inverse_cdf_pick`) of the
+emitted tokens.
 Probabilities are those of the row's sampling distribution (after temperature / top-k / top-p);
 a greedy row can pass one-hot probabilities. A deterministic proposer (n-gram, or a draft model
 run greedily) must pass `draft_probs = one_hot(draft_tokens)`: point-mass proposals keep the rule
@@ -38,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.sampling import SamplingArrays, argmax, sampling_probs, verify_keys
+from infer.sampling import (SamplingArrays, argmax, inverse_cdf_pick, sampling_probs,
+                             verify_keys)
 
 _TINY = float(np.finfo(np.float32).tiny)
 
@@ -65,9 +67,9 @@ def verify_sampled(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens
     """
     (batch, k), vocab = draft_tokens.shape, target_probs.shape[-1]
     rows = jnp.arange(batch)
-    # One draw per row serves the k acceptance tests and the Gumbel-max resampling.
-    noise = _uniform(key, batch, (k + vocab,))
-    u, gumbel = noise[:, :k], -jnp.log(-jnp.log(noise[:, k:]))
+    # One draw per row serves the k acceptance tests and the residual's inverse-CDF draw.
+    noise = _uniform(key, batch, (k + 1,))
+    u = noise[:, :k]
     tok = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]
     p = jnp.take_along_axis(target_probs[:, :k], tok, axis=-1)[..., 0]
     q = jnp.take_along_axis(draft_probs, tok, axis=-1)[..., 0]
@@ -79,7 +81,7 @@ def verify_sampled(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens
     resid = jnp.maximum(p_n - q_n, 0.0)
     # p == q leaves no residual; a rejection then has probability 0, so any fallback is exact.
     resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_n)
-    last = argmax(jnp.log(resid) + gumbel)
+    last = inverse_cdf_pick(noise[:, k], resid)
     return n, _emit(draft_tokens, n, last)
 
 
@@ -111,12 +113,11 @@ def verify_tree_sampled(target_probs: jax.Array, tree_tokens: jax.Array, parents
     sampling: exact for any candidate tree, whatever the children's order (which only decides
     which duplicate, if any, is taken).
     """
-    def choose(probs, gumbel, node, step):  # Gumbel-max: a draw from probs[node]
-        return argmax(jnp.log(probs[node]) + gumbel[step])
+    def choose(probs, u, node, step):  # a draw from probs[node], a uniform per step
+        return inverse_cdf_pick(u[step], probs[node])
     depth = tree_depth(parents) if max_depth is None else max_depth
-    shape = (depth + 1, target_probs.shape[-1])
-    gumbel = -jnp.log(-jnp.log(_uniform(key, len(target_probs), shape)))
-    return _walk(choose, (target_probs, gumbel), tree_tokens, parents, depth)
+    u = _uniform(key, len(target_probs), (depth + 1,))
+    return _walk(choose, (target_probs, u), tree_tokens, parents, depth)
 
 
 def path_tokens(tree_tokens: jax.Array, path: jax.Array, num_accepted: jax.Array,
