@@ -23,7 +23,7 @@ Output, an `.npz` readable with `allow_pickle=False` (see `load_training_data`):
   float16 (with feature layers), target_argmax [N, L] int32, lengths [N], prompt_lens [N],
   chat [N] bool, self_instruct [N] bool, greedy [N] bool, meta (a JSON string).
 The default path is under `.cache/` (git-ignored): about 60 MB for the defaults, 2.5 GB for
-the EAGLE-3 command above (1,600 sequences, 384,130 generated tokens; 1 h 35 min on this CPU).
+the EAGLE-3 command above (1,600 sequences, 384,130 generated tokens; 1 h 34 min on this CPU).
 """
 
 from __future__ import annotations
