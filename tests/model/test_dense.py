@@ -78,3 +78,27 @@ def test_the_reduction_is_only_for_float32_weights_stored_n_by_k() -> None:
     assert not _reduces_few_rows(x, jnp.ones((16, 32), jnp.float32), "...e,ef->...f")
     assert not _reduces_few_rows(x[None], jnp.ones((16, 32), jnp.float32), "bte,ef->btf")
     assert not _reduces_few_rows(x[:1], jnp.ones((32, 16), jnp.float32), "...e,ve->...v")
+
+
+def test_same_shape_products_in_one_program_never_materialize_the_broadcast() -> None:
+    """Two few-row products with one weight in one program (a draft loop's steps): no
+    top-level array of the broadcast's [N, M, K] size may appear in the compiled program (XLA
+    merged the two broadcasts and wrote that array out, ~10x the products' time on SmolLM2)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the multiply-and-reduce path is CPU's")
+    n, k = 4096, 64
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32)
+    for m in (2, 5):
+        x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+
+        def two_steps(x, w):
+            y = dense(x, w, "be,ve->bv")
+            return dense(x + y[:, :k], w, "be,ve->bv")
+
+        text = jax.jit(two_steps).lower(x, w).compile().as_text()
+        entry = text[text.index("ENTRY"):]
+        assert f"f32[{n},{m},{k}]" not in entry and f"f32[{m},{n},{k}]" not in entry, m
+        want = (x + (x @ w.T)[:, :k]) @ w.T
+        np.testing.assert_allclose(np.asarray(two_steps(x, w)), np.asarray(want), rtol=2e-4,
+                                   atol=2e-3)
