@@ -25,8 +25,8 @@ nothing from its own earlier outputs. Snippets come from
 file is missing is skipped with a note.
 
 Part `tree`: `infer.spec.tree.tree_generate` at batch 1, the EAGLE head expanded as a
-tree (2 x 3: 14 candidates) or as a chain of the same depth, against plain decoding over the
-same contiguous cache.
+tree (2 x 3: 14 candidates), as a chain of the same depth, or (--dynamic_trees) as EAGLE-2's
+dynamic trees, against plain decoding over the same contiguous cache.
 
 Measured per row: decode tokens/s (tokens after each request's first, over the time of the
 engine's decode steps; prefill steps are not counted), speedup over the baseline, acceptance
@@ -87,6 +87,10 @@ flags.DEFINE_enum("warmup", "pass", ["pass", "engine"], "pass: a workload runs a
 flags.DEFINE_integer("tree_branches", 2, "children per node of the EAGLE tree", flag_values=FLAGS)
 flags.DEFINE_integer("tree_depth", 3, "levels of the EAGLE tree (and drafts of its chain)",
                      flag_values=FLAGS)
+flags.DEFINE_list("dynamic_trees", [], "EAGLE-2 dynamic trees of the tree part, each "
+                  "BxD/N or BxDwW/N (`TreeShape.parse`: top-B children, D levels, the N likeliest "
+                  "candidates verified, W nodes expanded per level, default B)",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("tree_prompts", 4, "chat prompts of the tree part", flag_values=FLAGS)
 flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights: a random head "
                   "(exactness and timing only; acceptance is near 0)", flag_values=FLAGS)
@@ -446,22 +450,23 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
         state = spec.prefill(prompt, SamplingParams(temperature=temperature, seed=0))
         jax.block_until_ready(state)
         start = time.perf_counter()
-        tokens, head_cache = spec.draft(state)
+        tokens, parents, head_cache = spec.draft(state)
         jax.block_until_ready(tokens)
         draft_s.append(time.perf_counter() - start)
         state = dc.replace(state, head_cache=head_cache)
         start = time.perf_counter()
-        jax.block_until_ready(spec.verify(state, tokens))
+        jax.block_until_ready(spec.verify(state, tokens, parents))
         verify_s.append(time.perf_counter() - start)
     return {"draft_s": float(np.median(draft_s[1:])), "verify_s": float(np.median(verify_s[1:]))}
 
 
 def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompts: int,
              max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, log,
-             prompts: list[list[int]] | None = None, eagle_path: str = "") -> None:
-    """Plain decoding, the EAGLE tree and the chain of its depth, per temperature, on chat
-    prompts (or `prompts`), with the head at `eagle_path` (default: the engine's); each row
-    written to `log` as it is measured."""
+             prompts: list[list[int]] | None = None, eagle_path: str = "",
+             dynamic_trees: Sequence[str] = ()) -> None:
+    """Plain decoding, the EAGLE tree, the chain of its depth and the `dynamic_trees`, per
+    temperature, on chat prompts (or `prompts`), with the head at `eagle_path` (default: the
+    engine's); each row written to `log` as it is measured."""
     import functools
 
     import jax.numpy as jnp
@@ -473,7 +478,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from infer.sampling_params import SamplingParams
     from infer.spec.config import SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
-    from infer.spec.tree import TreeSpeculator, tree_generate
+    from infer.spec.tree import TreeShape, TreeSpeculator, tree_generate
 
     config, model, tokenizer = loaded
     path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
@@ -490,12 +495,15 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     if prompts is None:
         prompts = build_prompts(tokenizer, "chat", num_prompts, snippet_chars)
     prompts = prompts[:num_prompts]
-    max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + branches ** (depth + 1) + 2) // 128)
-    shapes = [("tree", branches, depth), ("chain", 1, depth)]
+    shapes = ([TreeShape(branches, depth), TreeShape(1, depth)]
+              + [TreeShape.parse(text) for text in dynamic_trees])
+    nodes = max(shape.num_nodes for shape in shapes)
+    max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + nodes + 2) // 128)
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
     # The baseline and the speculators run the target on one DeviceSteps: bound once.
     plain = functools.cache(lambda: DeviceSteps(model, feature_layers=head.feature_layers))
-    specs = functools.cache(lambda b, d: TreeSpeculator(plain(), head, b, d, max_len))
+    specs = functools.cache(lambda s: TreeSpeculator(plain(), head, s.branches, s.depth, max_len,
+                                                     s.budget, s.width))
     eos = tokenizer.eos_ids if tokenizer is not None else ()
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
 
@@ -520,8 +528,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
                 "decode_step_s": base["decode_s"] / base_tokens, "speedup": 1.0,
                 "token_ids": base_out}
 
-    def measure_tree(b: int, d: int, t: float, base: dict) -> dict:
-        spec = specs(b, d)
+    def measure_tree(shape: TreeShape, t: float, base: dict) -> dict:
+        spec, d = specs(shape), shape.depth
         base_tok_s, step_s = base["decode_tok_s"], base["decode_step_s"]
         outs, tot = run_all(lambda p, s: tree_generate(
             spec, p, max_tokens, SamplingParams(temperature=t, seed=s), eos_ids=eos))
@@ -560,10 +568,14 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
         base = log.measure({**common, "method": "none", "tree": "none", "temperature": t},
                            lambda t=t: measure_plain(t))
         bar.update(1)
-        for _, b, d in shapes:
-            log.measure({**common, "method": "eagle_tree", "tree": f"{b}x{d}", "branches": b,
-                         "depth": d, "k": d, "temperature": t},
-                        lambda b=b, d=d, t=t, base=base: measure_tree(b, d, t, base))
+        for shape in shapes:
+            # A dynamic tree's row names its budget; the fixed trees' rows keep their old keys.
+            budget = {} if shape.budget is None else {"budget": shape.budget,
+                                                      "width": shape.expand_width}
+            log.measure({**common, "method": "eagle_tree", "tree": str(shape),
+                         "branches": shape.branches, "depth": shape.depth, **budget,
+                         "k": shape.depth, "temperature": t},
+                        lambda shape=shape, t=t, base=base: measure_tree(shape, t, base))
             bar.update(1)
     bar.close()
 
@@ -650,7 +662,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: list[float],
         batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
         warmup: str, tree_branches: int, tree_depth: int, tree_prompts: int, random_head: bool,
-        seed: int, out: str, loaded=None, prompts: dict[str, list[list[int]]] | None = None,
+        seed: int, out: str, dynamic_trees: Sequence[str] = (), loaded=None, prompts: dict[str, list[list[int]]] | None = None,
         eagle_path: str = "", resume: bool = False, tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = "",
         draft_confidence: float = 0.0) -> list[dict[str, Any]]:
@@ -679,7 +691,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
                  random_head=random_head, seed=seed, loaded=loaded, log=log,
-                 prompts=(prompts or {}).get("chat"), eagle_path=eagle_path)
+                 prompts=(prompts or {}).get("chat"), eagle_path=eagle_path,
+                 dynamic_trees=dynamic_trees)
     rows = log.rows()
     engine_rows = [r for r in rows if r["part"] == "engine"]
     if engine_rows:
@@ -687,7 +700,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         print(markdown_table(engine_rows, COLUMNS))
     tree_rows = [r for r in rows if r["part"] == "tree"]
     if tree_rows:
-        print("\neagle_generate at batch 1 (tree vs chain of the same depth):")
+        print("\neagle_generate at batch 1 (tree vs chain of the same depth, dynamic trees "
+              "B x D / budget):")
         print(markdown_table(tree_rows, [("tree", "tree"), ("head", "head")] + COLUMNS[2:]))
     if rows:
         plot(rows, plot_path(out))

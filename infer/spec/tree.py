@@ -7,6 +7,10 @@ One step, after the target has cached x_0..x_{n-1} and emitted x_n (the *root*):
    children are the top-`branches` tokens of logits(ĥ_n); then each level's nodes get their
    top-`branches` children, `depth` levels in all: a full tree, so every step has the same
    shapes (2 x 3: 1 + 2 + 4 + 8 = 15 nodes, 14 candidates). `branches=1` is the chain.
+   EAGLE-2's dynamic tree (a `budget`, `TreeShape`) instead expands only the `width` nodes of
+   each level whose path the head finds likeliest (cumulative log-probability), then verifies
+   the `budget` likeliest of all it drafted: the tree is deep where the head is sure and wide
+   where it is not, chosen on device, with the same node count every step.
 2. Verify. One target pass over all nodes with a tree mask (a node sees the cache and its
    ancestors), nodes in consecutive slots n.., each at position n + depth; `verify_tree_greedy`
    / `verify_tree_sampled` pick the accepted path and the target's next token. The sampled rule
@@ -41,6 +45,7 @@ clamp onto other slots, silently.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -55,7 +60,7 @@ from infer.engine.simple_loop import timed_generate
 from infer.model.binding import binding
 from infer.model.llama import Llama
 from infer.sampling import SamplingArrays, sampling_probs, verify_keys
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, is_integer
 from infer.spec.eagle_head import EagleHead
 from infer.spec.verify import path_tokens, verify_tree_greedy, verify_tree_sampled
 
@@ -78,13 +83,53 @@ def _depths(parents: np.ndarray) -> np.ndarray:
     return depth
 
 
-def _ancestor_mask(parents: np.ndarray) -> np.ndarray:
-    """[N, N] bool: node j is node i or one of its ancestors."""
-    n = len(parents)
-    mask = np.eye(n, dtype=bool)
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-    return mask
+def tree_structure(parents: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """depth [N] and the ancestor mask [N, N] (node j is node i or one of its ancestors) of a
+    tree given by parents [N] (-1 at the root; traced, e.g. a tree chosen on device) whose
+    nodes lie at most `max_depth` below the root."""
+    parents = jnp.asarray(parents, jnp.int32)
+    nodes = jnp.arange(parents.shape[-1], dtype=jnp.int32)
+    mask = nodes[:, None] == nodes[None, :]
+    depth = jnp.zeros_like(nodes)
+    up = nodes
+    for _ in range(max_depth):
+        above = parents[up]
+        live = above >= 0
+        depth += live
+        up = jnp.where(live, above, up)  # stays at the root once there
+        mask |= up[:, None] == nodes[None, :]
+    return depth, mask
+
+
+def dynamic_tree_size(branches: int, depth: int, width: int) -> tuple[list[int], int]:
+    """Of EAGLE-2's expansion (`TreeShape` with a budget): how many nodes are expanded at
+    levels 1..depth-1, and the number of candidates drafted in all."""
+    if branches < 1 or depth < 1 or width < 1:
+        raise ValueError(f"need branches, depth and width >= 1, got {branches}, {depth}, {width}")
+    expanded, level = [], branches
+    for _ in range(depth - 1):
+        expanded.append(min(width, level))
+        level = expanded[-1] * branches
+    return expanded, branches + branches * sum(expanded)
+
+
+def select_nodes(scores: jax.Array, cand_parents: jax.Array, budget: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """EAGLE-2's reranking: the `budget` candidates of highest score, as a tree.
+
+    scores [C] are cumulative log-probabilities (a child's is its parent's plus its own log p,
+    so never above its parent's), candidates in drafting order (a parent before its children),
+    cand_parents [C] the parent's candidate index (-1: the root). `lax.top_k` puts the lower
+    index first among equal scores, so the chosen set holds every chosen node's parent.
+    Returns the chosen candidates in drafting order, sel [budget], and the tree's parents
+    [budget + 1] over nodes (0: the root, node i: candidate sel[i - 1])."""
+    _, sel = jax.lax.top_k(scores, budget)
+    sel = jnp.sort(sel).astype(jnp.int32)
+    node_of = jnp.zeros(scores.shape[0], jnp.int32).at[sel].set(
+        jnp.arange(1, budget + 1, dtype=jnp.int32))
+    up = cand_parents[sel]
+    parents = jnp.where(up < 0, 0, node_of[jnp.maximum(up, 0)])
+    return sel, jnp.concatenate([jnp.full(1, -1, jnp.int32), parents])
 
 
 @jax.tree_util.register_dataclass
@@ -111,61 +156,173 @@ class SpecState:
         return self.pending_tokens[self.count - 1]
 
 
-def _tree_programs(bind: Bind, branches: int, depth: int):
-    """Jitted (draft, verify, step) for one model structure and tree shape."""
-    parents = full_tree(branches, depth)
-    node_depth = _depths(parents)
-    ancestors = _ancestor_mask(parents)
-    n, width = len(parents), depth + 1
-    # Head rows: nodes of depth 1..depth-1 (nodes 1..rows), the ones that have children.
-    rows = int((node_depth[1:] < depth).sum())
-    parent_row = np.maximum(parents[1:rows + 1] - 1, 0)
-    under_root = (parents[1:rows + 1] == 0)[:, None]
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """Which tree a step drafts. `budget=None`: the full `branches`-ary tree of `depth` levels
+    (`branches=1`: the chain). Otherwise EAGLE-2's dynamic tree: each level expands its `width`
+    (default `branches`) nodes of highest cumulative draft log-probability into their
+    top-`branches` children, `depth` levels deep, and the `budget` best of all the drafted
+    candidates are verified, so the tree's shape follows the draft's confidence step by step."""
 
-    def draft(params, state: SpecState) -> tuple[jax.Array, KVCache]:
-        """Head catch-up, then the tree's tokens [N] level by level (node 0: the root)."""
-        target, head = bind(params)
+    branches: int
+    depth: int
+    budget: int | None = None
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            full_tree(self.branches, self.depth)  # validates
+            if self.width is not None:
+                raise ValueError("width is the dynamic tree's: give a budget too")
+            return
+        _, drafted = dynamic_tree_size(self.branches, self.depth, self.expand_width)
+        if not is_integer(self.budget) or not 1 <= self.budget <= drafted:
+            raise ValueError(f"budget must be an integer in [1, {drafted}] (the candidates a "
+                             f"{self.branches}-branch, {self.depth}-level expansion of width "
+                             f"{self.expand_width} drafts), got {self.budget!r}")
+
+    @property
+    def expand_width(self) -> int:
+        return self.branches if self.width is None else self.width
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes verified per step, the root included."""
+        if self.budget is None:
+            return len(full_tree(self.branches, self.depth))
+        return self.budget + 1
+
+    def __str__(self) -> str:
+        full = f"{self.branches}x{self.depth}"
+        if self.budget is None:
+            return full
+        return full + ("" if self.width is None else f"w{self.width}") + f"/{self.budget}"
+
+    @staticmethod
+    def parse(text: str) -> "TreeShape":
+        """The inverse of str: "BxD" (full tree), "BxD/N" or "BxDwW/N" (dynamic)."""
+        match = re.fullmatch(r"(\d+)x(\d+)(?:w(\d+))?(?:/(\d+))?", text.strip())
+        if match is None:
+            raise ValueError(f"a tree shape is BxD, BxD/N or BxDwW/N, got {text!r}")
+        branches, depth, width, budget = (None if g is None else int(g) for g in match.groups())
+        return TreeShape(branches, depth, budget, width)
+
+
+def _head_rows(target: Llama, head: EagleHead, cache: KVCache, length: jax.Array,
+               h_root: jax.Array, out: jax.Array, parent_rows: jax.Array, tokens: jax.Array,
+               valid: int, depth: int) -> tuple[jax.Array, KVCache]:
+    """One head call over tree rows [R] in drafting order (a parent before its children), the
+    first `valid` of them real. Row r holds a node's token and reads its parent's predicted
+    feature, out[parent_rows[r]] from the previous call (ĥ_n for a child of the root,
+    parent_rows -1); it sits at the position after its parent's and sees its ancestors' rows.
+    Returns the rows' predicted features [R, F] and the cache."""
+    row_depth, ancestors = tree_structure(
+        jnp.concatenate([jnp.full(1, -1, jnp.int32), parent_rows + 1]), depth)
+    features = jnp.where((parent_rows < 0)[:, None], h_root[None],
+                         out[jnp.maximum(parent_rows, 0)])
+    # A row of depth d is the head's row of the token at position length + d - 1.
+    meta = AttentionMetadata.for_tree(length[None], jnp.int32(valid)[None], row_depth[1:] - 1,
+                                      ancestors[None, 1:, 1:])
+    pred, cache = head(features[None], jnp.maximum(tokens, 0)[None], target.embed, cache, meta)
+    return pred[0], cache
+
+
+def _tree_programs(bind: Bind, shape: TreeShape):
+    """Jitted (draft, verify, step) for one model structure and tree shape. `draft` returns
+    the tree, tokens [N] and parents [N] (node 0: the root), and the head's cache."""
+    depth, width, n = shape.depth, shape.depth + 1, shape.num_nodes
+
+    def catch_up(target: Llama, head: EagleHead, state: SpecState) -> tuple[jax.Array, KVCache]:
+        """The head over its pending rows: the root's predicted feature ĥ_n, and its cache."""
         meta = AttentionMetadata.for_prefill(state.count[None], width,
                                              cached=(state.length - state.count)[None])
         predicted, cache = head(head.features_in(state.pending_features[None]),
-                                state.pending_tokens[None],
-                                target.embed, state.head_cache, meta)
-        h_root = predicted[0, state.count - 1]
+                                state.pending_tokens[None], target.embed, state.head_cache,
+                                meta)
+        return predicted[0, state.count - 1], cache
+
+    def full_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Every node's top-`branches` children, level by level."""
+        target, head = bind(params)
+        branches = shape.branches
+        parents = full_tree(branches, depth)
+        node_depth = _depths(parents)
+        # Head rows: nodes of depth 1..depth-1 (nodes 1..rows), the ones that have children.
+        rows = int((node_depth[1:] < depth).sum())
+        parent_rows = jnp.asarray(parents[1:rows + 1] - 1)
+        h_root, cache = catch_up(target, head, state)
         tokens = jnp.full(n, -1, jnp.int32).at[0].set(state.root)
         _, first = jax.lax.top_k(target.logits(h_root), branches)
         tokens = tokens.at[1:1 + branches].set(first.astype(jnp.int32))
         out = jnp.zeros((rows, h_root.shape[-1]), jnp.float32)
         for level in range(2, depth + 1):
             lo, hi = int((node_depth < level - 1).sum()), int((node_depth < level).sum())
-            # Row r (node r+1) reads its parent's predicted feature: ĥ_n under the root.
-            features = jnp.where(under_root, h_root[None], out[parent_row])
-            # Node r+1 (depth d) is the head's row of the token at position length + d - 1.
-            meta = AttentionMetadata.for_tree(
-                state.length[None], jnp.int32(hi - 1)[None], node_depth[1:rows + 1] - 1,
-                jnp.asarray(ancestors[1:rows + 1, 1:rows + 1])[None])
-            pred, cache = head(features[None], jnp.maximum(tokens[1:rows + 1], 0)[None],
-                               target.embed, cache, meta)
-            out = pred[0]
+            out, cache = _head_rows(target, head, cache, state.length, h_root, out,
+                                    parent_rows, tokens[1:rows + 1], hi - 1, depth)
             _, kids = jax.lax.top_k(target.logits(out[lo - 1:hi - 1]), branches)
             tokens = tokens.at[branches * lo + 1:branches * hi + 1].set(
                 kids.reshape(-1).astype(jnp.int32))
-        return tokens, cache
+        return tokens, jnp.asarray(parents), cache
 
-    def verify(params, state: SpecState, tokens: jax.Array
+    def dynamic_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
+        """EAGLE-2: expand the best `width` candidates of each level (by cumulative log p),
+        then keep the best `budget` of all candidates. Candidates are kept in drafting order,
+        the head's rows (the expanded candidates) likewise."""
+        target, head = bind(params)
+        k = shape.branches
+        expanded, drafted = dynamic_tree_size(k, depth, shape.expand_width)
+        rows = sum(expanded)
+        h_root, cache = catch_up(target, head, state)
+        score, token = jax.lax.top_k(jax.nn.log_softmax(target.logits(h_root)), k)
+        cand_tokens = jnp.zeros(drafted, jnp.int32).at[:k].set(token.astype(jnp.int32))
+        cand_scores = jnp.zeros(drafted, jnp.float32).at[:k].set(score)
+        cand_parents = jnp.full(drafted, -1, jnp.int32)
+        row_of = jnp.full(drafted, -1, jnp.int32)  # the head row expanding a candidate
+        parent_rows = jnp.full(rows, -1, jnp.int32)
+        row_tokens = jnp.zeros(rows, jnp.int32)
+        out = jnp.zeros((rows, h_root.shape[-1]), jnp.float32)
+        level_lo, level_size, row_lo, cand_end = 0, k, 0, k
+        for m in expanded:
+            _, pick = jax.lax.top_k(cand_scores[level_lo:level_lo + level_size], m)
+            pick = (level_lo + pick).astype(jnp.int32)
+            here = jnp.arange(row_lo, row_lo + m, dtype=jnp.int32)
+            row_of = row_of.at[pick].set(here)
+            up = cand_parents[pick]
+            parent_rows = parent_rows.at[here].set(
+                jnp.where(up < 0, -1, row_of[jnp.maximum(up, 0)]))
+            row_tokens = row_tokens.at[here].set(cand_tokens[pick])
+            out, cache = _head_rows(target, head, cache, state.length, h_root, out,
+                                    parent_rows, row_tokens, row_lo + m, depth)
+            score, token = jax.lax.top_k(
+                jax.nn.log_softmax(target.logits(out[row_lo:row_lo + m])), k)
+            new = slice(cand_end, cand_end + m * k)
+            cand_tokens = cand_tokens.at[new].set(token.reshape(-1).astype(jnp.int32))
+            cand_scores = cand_scores.at[new].set(
+                (cand_scores[pick][:, None] + score).reshape(-1))
+            cand_parents = cand_parents.at[new].set(jnp.repeat(pick, k))
+            level_lo, level_size = cand_end, m * k
+            row_lo, cand_end = row_lo + m, cand_end + m * k
+        sel, parents = select_nodes(cand_scores, cand_parents, shape.budget)
+        return jnp.concatenate([state.root[None], cand_tokens[sel]]), parents, cache
+
+    def verify(params, state: SpecState, tokens: jax.Array, parents: jax.Array
                ) -> tuple[SpecState, jax.Array, jax.Array]:
         """Target pass over the tree, the accepted path, compaction. Returns (state,
         emitted [depth+1] (accepted candidates, the target's token, then -1), accepted)."""
         target, head = bind(params)
+        node_depth, ancestors = tree_structure(parents, depth)
         meta = AttentionMetadata.for_tree(state.length[None], jnp.int32(n)[None], node_depth,
-                                          jnp.asarray(ancestors)[None])
+                                          ancestors[None])
         logits, hidden, cache = target(tokens[None], state.target_cache, meta,
                                        feature_layers=head.feature_layers)
         if state.sampled:
             keys = verify_keys(state.sampling.seeds, state.sample_index[None])
             path, accepted, nxt = verify_tree_sampled(sampling_probs(logits, state.sampling),
-                                                      tokens[None], parents, keys)
+                                                      tokens[None], parents[None], keys,
+                                                      max_depth=depth)
         else:
-            path, accepted, nxt = verify_tree_greedy(logits, tokens[None], parents)
+            path, accepted, nxt = verify_tree_greedy(logits, tokens[None], parents[None],
+                                                     max_depth=depth)
         emitted = path_tokens(tokens[None], path, accepted, nxt)[0]
         cache = compact(cache, state.length, path[0])
         keep = jnp.arange(width) <= accepted[0]
@@ -176,9 +333,12 @@ def _tree_programs(bind: Bind, branches: int, depth: int):
             count=accepted[0] + 1, sample_index=state.sample_index + accepted[0] + 1
         ), emitted, accepted[0]
 
+    draft = full_draft if shape.budget is None else dynamic_draft
+
     def step(params, state):
-        tokens, head_cache = draft(params, state)
-        return verify(params, dataclasses.replace(state, head_cache=head_cache), tokens)
+        tokens, parents, head_cache = draft(params, state)
+        return verify(params, dataclasses.replace(state, head_cache=head_cache), tokens,
+                      parents)
 
     return (jax.jit(draft), jax.jit(verify, donate_argnums=1),
             jax.jit(step, donate_argnums=1))
@@ -209,13 +369,15 @@ def _head_prefill_program(bind: Bind, depth: int, max_len: int):
 
 class TreeSpeculator:
     """EAGLE tree (or chain, `branches=1`) speculation for one target and head, caches of
-    `max_len` slots. The target runs on `target`'s `DeviceSteps` (pass the object a baseline
-    uses, so the target is bound once; a `Llama` gets its own) and its binding: the weights are
-    read once, when that binding was made, and the head's here (later edits are unseen). It
-    holds its compiled programs: generate through one object to compile once."""
+    `max_len` slots; with a `budget`, EAGLE-2's dynamic tree (`TreeShape`). The target runs on
+    `target`'s `DeviceSteps` (pass the object a baseline uses, so the target is bound once; a
+    `Llama` gets its own) and its binding: the weights are read once, when that binding was
+    made, and the head's here (later edits are unseen). It holds its compiled programs:
+    generate through one object to compile once."""
 
     def __init__(self, target: Llama | DeviceSteps, head: EagleHead, branches: int, depth: int,
-                 max_len: int = 512) -> None:
+                 max_len: int = 512, budget: int | None = None, width: int | None = None
+                 ) -> None:
         self.steps = (target if isinstance(target, DeviceSteps)
                       else DeviceSteps(target, feature_layers=head.feature_layers))
         if self.steps.feature_layers != head.feature_layers:
@@ -223,16 +385,18 @@ class TreeSpeculator:
                              f"target's steps return {self.steps.feature_layers}: build the "
                              f"DeviceSteps with feature_layers={head.feature_layers}")
         self.config = self.steps.config
+        self.shape = TreeShape(branches, depth, budget, width)
         self.branches, self.depth, self.max_len = branches, depth, max_len
-        self.parents = full_tree(branches, depth)
-        self.num_nodes = len(self.parents)
+        # The full tree's fixed parents; a dynamic tree's come with each draft.
+        self.parents = full_tree(branches, depth) if budget is None else None
+        self.num_nodes = self.shape.num_nodes
         t, h = self.steps.binding, binding(head)
         self.params = (t.params, h.params)
 
         def bind(params: tuple) -> tuple[Llama, EagleHead]:
             return t.bind(params[0]), h.bind(params[1])
 
-        self._draft, self._verify, self._step = _tree_programs(bind, branches, depth)
+        self._draft, self._verify, self._step = _tree_programs(bind, self.shape)
         self._head_prefill = _head_prefill_program(bind, depth, max_len)
 
     # -- the pieces, for tests and timing -----------------------------------------------------
@@ -265,17 +429,27 @@ class TreeSpeculator:
         length = int(state.length)
         check_writes(length, length + self.num_nodes, self.max_len)
 
-    def draft(self, state: SpecState) -> tuple[jax.Array, KVCache]:
-        """The candidate tree's tokens [N] (order of `self.parents`) and the head's cache."""
+    def draft(self, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The candidate tree, tokens [N] and parents [N] (node 0: the root), and the head's
+        cache."""
         self._check_room(state)
         return self._draft(self.params, state)
 
-    def verify(self, state: SpecState, tree_tokens: jax.Array
+    def verify(self, state: SpecState, tree_tokens: jax.Array, parents: jax.Array | None = None
                ) -> tuple[SpecState, jax.Array, jax.Array]:
-        """Verifies a given tree (root: `state.root`) with the state's sampling rule; donates
-        `state`."""
+        """Verifies a given tree (root: `state.root`; `parents` default to the full tree's)
+        with the state's sampling rule; donates `state`."""
         self._check_room(state)
-        return self._verify(self.params, state, jnp.asarray(tree_tokens, jnp.int32))
+        if parents is None:
+            if self.parents is None:
+                raise ValueError("a dynamic tree's shape comes with its draft: pass its parents")
+            parents = self.parents
+        tokens = jnp.asarray(tree_tokens, jnp.int32)
+        parents = jnp.asarray(parents, jnp.int32)
+        if tokens.shape != (self.num_nodes,) or parents.shape != (self.num_nodes,):
+            raise ValueError(f"a tree of this speculator has {self.num_nodes} nodes: got tokens "
+                             f"{tokens.shape}, parents {parents.shape}")
+        return self._verify(self.params, state, tokens, parents)
 
     def step(self, state: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
         """Draft + verify + compaction in one dispatch; donates `state`. Returns (state,
@@ -325,10 +499,12 @@ def tree_generate(spec: TreeSpeculator, prompt_ids: Sequence[int], max_new_token
 def eagle_generate(target: Llama | DeviceSteps, head: EagleHead, prompt_ids: Sequence[int],
                    max_new_tokens: int, *, branches: int, depth: int,
                    sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
-                   max_len: int | None = None) -> tuple[list[int], dict[str, float]]:
+                   max_len: int | None = None, budget: int | None = None
+                   ) -> tuple[list[int], dict[str, float]]:
     """`tree_generate` with a speculator built for this call (`branches=1`: a chain of `depth`
-    drafts); `max_len` (the caches' slots) defaults to a power of two >= 256 that fits. One
-    call, one compilation: to generate more than once, keep a `TreeSpeculator`."""
-    need = len(prompt_ids) + max_new_tokens + sum(branches ** d for d in range(depth + 1))
-    spec = TreeSpeculator(target, head, branches, depth, max_len or next_power_of_two(need, 256))
+    drafts; a `budget`: the dynamic tree); `max_len` (the caches' slots) defaults to a power of
+    two >= 256 that fits. One call, one compilation: to generate more than once, keep a `TreeSpeculator`."""
+    need = len(prompt_ids) + max_new_tokens + TreeShape(branches, depth, budget).num_nodes
+    spec = TreeSpeculator(target, head, branches, depth, max_len or next_power_of_two(need, 256),
+                          budget)
     return tree_generate(spec, prompt_ids, max_new_tokens, sampling, eos_ids)

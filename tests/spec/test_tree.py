@@ -9,6 +9,7 @@ through a module fixture, each compiled once (nothing is cached per process)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import weakref
@@ -29,7 +30,9 @@ from infer.model.config import get_config
 from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.eagle_head import EagleHead, from_eagle1
-from infer.spec.tree import TreeSpeculator, eagle_generate, full_tree, tree_generate
+from infer.spec.tree import (TreeShape, TreeSpeculator, eagle_generate, full_tree, select_nodes,
+                             tree_generate, tree_structure)
+from tests.spec.joint_law import chi_square_pvalue, exact_joint
 
 CONFIG = get_config("tiny")
 
@@ -77,17 +80,20 @@ def device_steps(tiny, oracle) -> Callable[[str], DeviceSteps]:
 
 
 @pytest.fixture(scope="module")
-def speculators(tiny, oracle, device_steps) -> Callable[[str, int, int], TreeSpeculator]:
-    """speculators(models, branches, depth): the module's TreeSpeculator over `tiny` ("random")
-    or `oracle` models with caches of MAX_LEN, built on first use and then shared."""
-    built: dict[tuple[str, int, int], TreeSpeculator] = {}
+def speculators(tiny, oracle, device_steps) -> Callable[..., TreeSpeculator]:
+    """speculators(models, branches, depth, budget=None, width=None): the module's
+    TreeSpeculator over `tiny` ("random") or `oracle` models with caches of MAX_LEN, built on
+    first use and then shared."""
+    built: dict[tuple, TreeSpeculator] = {}
 
-    def get(models: str, branches: int, depth: int) -> TreeSpeculator:
-        if (models, branches, depth) not in built:
+    def get(models: str, branches: int, depth: int, budget: int | None = None,
+            width: int | None = None) -> TreeSpeculator:
+        key = (models, branches, depth, budget, width)
+        if key not in built:
             head = (tiny if models == "random" else oracle)[1]
-            built[models, branches, depth] = TreeSpeculator(device_steps(models), head,
-                                                            branches, depth, MAX_LEN)
-        return built[models, branches, depth]
+            built[key] = TreeSpeculator(device_steps(models), head, branches, depth, MAX_LEN,
+                                        budget, width)
+        return built[key]
     return get
 
 
@@ -123,12 +129,13 @@ def _is_greedy(target: Llama, prompt: list[int], generated: list[int]) -> bool:
     return bool((_top_ranks(target, prompt, generated) == 0).all())
 
 
-@pytest.mark.parametrize("models,branches,depth",
-                         [("random", 2, 3), ("oracle", 2, 3), ("oracle", 1, 3)])
+@pytest.mark.parametrize("models,branches,depth,budget",
+                         [("random", 2, 3, None), ("oracle", 2, 3, None), ("oracle", 1, 3, None),
+                          ("random", 3, 4, 9), ("oracle", 3, 4, 9)])
 def test_greedy_tree_and_chain_equal_plain_greedy_tiny(tiny, oracle, speculators, device_steps,
-                                                        models, branches, depth) -> None:
+                                                        models, branches, depth, budget) -> None:
     target = (tiny if models == "random" else oracle)[0]
-    got, stats = tree_generate(speculators(models, branches, depth), PROMPT, 40)
+    got, stats = tree_generate(speculators(models, branches, depth, budget), PROMPT, 40)
     assert len(got) == 40 and len(set(got)) > 10  # the check is not about one repeated token
     assert _is_greedy(target, PROMPT, got)
     # ... and equals the simple loop's greedy decoding on the same DeviceSteps.
@@ -211,10 +218,11 @@ def test_sampled_tree_honours_top_k(tiny, speculators) -> None:
         assert (_top_ranks(target, PROMPT, got) < 2).all(), (seed, got)
 
 
-def test_sampled_tree_with_top_k_1_is_greedy(oracle, speculators) -> None:
+@pytest.mark.parametrize("shape", [(2, 3), (3, 4, 9)])
+def test_sampled_tree_with_top_k_1_is_greedy(oracle, speculators, shape) -> None:
     """top_k=1 makes the sampling distribution a point mass on the argmax: the sampled tree
     rule must then emit exactly the greedy tokens, at any temperature and seed."""
-    spec = speculators("oracle", 2, 3)
+    spec = speculators("oracle", *shape)
     greedy, _ = tree_generate(spec, PROMPT, 16)
     for seed in range(3):
         got, _ = tree_generate(spec, PROMPT, 16, SamplingParams(temperature=5.0, top_k=1,
@@ -264,7 +272,7 @@ def test_cache_after_a_step_equals_a_plain_pass(tiny, speculators) -> None:
     ref = tree_generate(spec, PROMPT, 12)[0]
     state = spec.prefill(PROMPT)
     assert int(state.root) == ref[0]
-    state = dataclasses.replace(state, head_cache=spec.draft(state)[1])  # as `step` would
+    state = dataclasses.replace(state, head_cache=spec.draft(state)[2])  # as `step` would
     fillers = [t for t in range(CONFIG.vocab_size) if t not in ref[:5]]  # never accepted
     tree = np.array([ref[0]] + fillers[:14])
     for node, token in ((2, ref[1]), (6, ref[2]), (14, ref[3])):
@@ -300,3 +308,166 @@ def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2_4_layers) -> N
     tree, _ = eagle_generate(target, head, prompt, 10, branches=2, depth=2)
     chain, _ = eagle_generate(target, head, prompt, 10, branches=1, depth=2)
     assert tree == chain and _is_greedy(target, prompt, tree)
+
+
+# -- EAGLE-2's dynamic tree -------------------------------------------------------------------
+
+def test_tree_structure_is_a_walk_to_the_root() -> None:
+    """Depths and ancestor masks of random trees, from traced parents, against walking each
+    node up to the root on the host (max_depth may exceed the deepest node)."""
+    rng = np.random.default_rng()
+    structure = jax.jit(tree_structure, static_argnums=1)
+    for _ in range(40):
+        n = int(rng.choice([1, 2, 7, 16]))
+        parents = np.array([-1] + [rng.integers(0, i) for i in range(1, n)], np.int32)
+        depth, mask = np.zeros(n, np.int64), np.eye(n, dtype=bool)
+        for i in range(n):
+            j = i
+            while parents[j] >= 0:
+                j = parents[j]
+                depth[i] += 1
+                mask[i, j] = True
+        got_depth, got_mask = structure(jnp.asarray(parents), int(depth.max() + rng.integers(2)))
+        assert got_depth.tolist() == depth.tolist()
+        assert (np.asarray(got_mask) == mask).all()
+
+
+def test_select_nodes_keeps_the_best_as_a_tree() -> None:
+    """Random candidate sets in drafting order whose scores fall along each path, with exact
+    ties (log p = 0 and repeated values): the chosen candidates are the `budget` best by score,
+    the lower index first among ties (a brute-force sort); the set holds every chosen node's
+    parent; and the returned parents name, for each node, its candidate's parent."""
+    rng = np.random.default_rng()
+    select = jax.jit(select_nodes, static_argnums=2)
+    for _ in range(60):
+        c = int(rng.choice([1, 5, 12, 30]))
+        cand_parents = np.array([-1 if i == 0 or rng.random() < 0.3 else rng.integers(0, i)
+                                 for i in range(c)], np.int32)
+        logp = rng.choice(np.float32([0.0, -0.5, -1.0, -1.5, -2.0]), c)
+        scores = np.zeros(c, np.float32)
+        for i in range(c):
+            base = np.float32(0) if cand_parents[i] < 0 else scores[cand_parents[i]]
+            scores[i] = base + logp[i]
+        budget = int(rng.integers(1, c + 1))
+        sel, parents = select(jnp.asarray(scores), jnp.asarray(cand_parents), budget)
+        sel, parents = np.asarray(sel), np.asarray(parents)
+        want = sorted(sorted(range(c), key=lambda i: (-scores[i], i))[:budget])
+        assert sel.tolist() == want
+        chosen = set(want)
+        assert all(cand_parents[i] < 0 or cand_parents[i] in chosen for i in want)
+        assert parents[0] == -1 and len(parents) == budget + 1
+        for node in range(1, budget + 1):
+            up = cand_parents[sel[node - 1]]
+            assert parents[node] == (0 if up < 0 else 1 + want.index(up))
+
+
+def _paths(tokens: jax.Array, parents: jax.Array) -> set[tuple[int, ...]]:
+    """Each non-root node as its tokens from the root's child down to it."""
+    tokens, parents = np.asarray(tokens).tolist(), np.asarray(parents).tolist()
+    paths = set()
+    for node in range(1, len(tokens)):
+        path = []
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def test_dynamic_drafts_are_nodes_of_the_full_tree(speculators) -> None:
+    """The head's children of a node depend on the node's path only, so: with a width past
+    the widest level and a budget of every candidate, the dynamic tree is the full tree (the
+    same token paths); narrower, it drafts `budget` of the full tree's paths, closed under
+    taking a path's prefix, after any number of steps."""
+    full = speculators("random", 2, 3)
+    every = speculators("random", 2, 3, 14, 4)
+    narrow = speculators("random", 2, 3, 6)
+    states = {spec: spec.prefill(PROMPT) for spec in (full, every, narrow)}
+    for _ in range(3):
+        want = _paths(*full.draft(states[full])[:2])
+        assert len(want) == 14
+        assert _paths(*every.draft(states[every])[:2]) == want
+        got = _paths(*narrow.draft(states[narrow])[:2])
+        assert len(got) == 6 and got <= want
+        assert all(path[:-1] in got for path in got if len(path) > 1)
+        states = {spec: spec.step(state)[0] for spec, state in states.items()}
+        assert len({int(s.length) for s in states.values()}) == 1  # all greedy, in step
+
+
+def _dense_children(target: Llama, head: EagleHead, prompt: list[int], root: int, k: int
+                    ) -> Callable[[tuple[int, ...]], set[int]]:
+    """children(path): the head's top-k tokens after the root and `path`, computed without any
+    tree: the head runs densely over the prompt's true features (rows (h_s, x_{s+1}), the last
+    one (h_{n-1}, root)), then one row per path token, each reading the previous row's output,
+    at the positions the tree gives them."""
+    c, n = target.config, len(prompt)
+    cache = KVCache.create(c.num_layers, 1, MAX_LEN, c.num_kv_heads, c.head_dim)
+    _, hidden, _ = _forward(target, jnp.asarray([prompt]), cache,
+                            AttentionMetadata.for_prefill([n], n))
+    pred, head_cache = _forward(head, head.features_in(hidden), jnp.asarray([prompt[1:] + [root]]),
+                                target.embed, head.create_cache(1, MAX_LEN),
+                                AttentionMetadata.for_prefill([n], n))
+    states = {(): (pred[0, n - 1], head_cache)}
+
+    def state(path: tuple[int, ...]):
+        if path not in states:
+            h, cache = state(path[:-1])
+            pred, cache = _forward(head, h[None, None], jnp.asarray([[path[-1]]]), target.embed,
+                                   cache, AttentionMetadata.for_prefill([1], 1,
+                                                                        cached=[n + len(path) - 1]))
+            states[path] = (pred[0, 0], cache)
+        return states[path]
+
+    def children(path: tuple[int, ...]) -> set[int]:
+        _, top = jax.lax.top_k(target.logits(state(path)[0]), k)
+        return set(np.asarray(top).tolist())
+    return children
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3, 3, 10)])
+def test_drafted_children_are_the_heads_dense_top_k(tiny, speculators, shape) -> None:
+    """Every drafted node is one of the head's top-`branches` tokens after its parent's path,
+    the head run densely along that path (`_dense_children`); in the full tree a node's
+    children are exactly those tokens."""
+    target, head = tiny
+    spec = speculators("random", *shape)
+    state = spec.prefill(PROMPT)
+    tokens, parents, _ = spec.draft(state)
+    children = _dense_children(target, head, PROMPT, int(state.root), shape[0])
+    tokens, parents = np.asarray(tokens).tolist(), np.asarray(parents).tolist()
+    paths = {0: ()}
+    for node in range(1, len(tokens)):
+        paths[node] = paths[parents[node]] + (tokens[node],)
+    kids: dict[int, set[int]] = collections.defaultdict(set)
+    for node in range(1, len(tokens)):
+        kids[parents[node]].add(tokens[node])
+    for node, got in kids.items():
+        want = children(paths[node])
+        assert got == want if len(shape) == 2 else got <= want, paths[node]
+
+
+def test_sampled_dynamic_tree_keeps_the_joint_law(oracle, speculators) -> None:
+    """The first three tokens of sampled dynamic-tree generation follow plain sampling's exact
+    law (chi-square): the first comes from the prefill, the next two from the first verify
+    step, where the oracle head's tree holds most but (a budget of 10 of 39 candidates) not
+    all of the three tokens top-k allows at each level."""
+    params = dict(temperature=1.0, top_k=3)
+    law = exact_joint(oracle[0], PROMPT, SamplingParams(seed=0, **params), 3)
+    spec = speculators("oracle", 3, 3, 10)
+    counts = collections.Counter(
+        tuple(tree_generate(spec, PROMPT, 3, SamplingParams(seed=seed, **params))[0])
+        for seed in range(900))
+    assert chi_square_pvalue(counts, law) > 1e-3
+
+
+def test_tree_shapes_are_checked() -> None:
+    assert TreeShape(2, 3).num_nodes == 15 and TreeShape(3, 4, 9).num_nodes == 10
+    for shape in (TreeShape(2, 3), TreeShape(3, 4, 9), TreeShape(2, 3, 14, 4)):
+        assert TreeShape.parse(str(shape)) == shape
+    assert str(TreeShape(3, 4, 9)) == "3x4/9" and str(TreeShape(2, 3, 14, 4)) == "2x3w4/14"
+    for bad in ("3x4/", "x4", "3x4/9w2", "3.0x4"):
+        with pytest.raises(ValueError, match="BxD"):
+            TreeShape.parse(bad)
+    for bad in (dict(budget=0), dict(budget=15), dict(budget=2.5), dict(width=2)):
+        with pytest.raises(ValueError):
+            TreeShape(2, 3, **bad)
