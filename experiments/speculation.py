@@ -97,9 +97,10 @@ flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights
 flags.DEFINE_bool("quick", False, "smoke run: ks 1,2; temperature 0; batch 1,2; 2 prompts; "
                   "16 tokens", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_values=FLAGS)
-flags.DEFINE_integer("draft_vocab_size", 0, "model drafts score only this many of the most "
-                     "frequent target ids (FR-Spec, weights/draft_vocab_smollm2.npy); 0: the "
-                     "whole vocabulary", flag_values=FLAGS)
+flags.DEFINE_integer("draft_vocab_size", 0, "model drafts and the tree part's head score only "
+                     "this many of the most frequent target ids (FR-Spec, "
+                     "weights/draft_vocab_smollm2.npy); 0: the whole vocabulary",
+                     flag_values=FLAGS)
 flags.DEFINE_float("draft_confidence", 0.0, "model drafts stop before the first draft whose "
                    "running product of top probabilities is below this (EAGLE-2's confidence); "
                    "0: no stop", flag_values=FLAGS)
@@ -463,10 +464,11 @@ def time_tree_pieces(spec, prompt: list[int], temperature: float, repeats: int =
 def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompts: int,
              max_tokens: int, snippet_chars: int, random_head: bool, seed: int, loaded, log,
              prompts: list[list[int]] | None = None, eagle_path: str = "",
-             dynamic_trees: Sequence[str] = ()) -> None:
+             dynamic_trees: Sequence[str] = (), draft_vocab_size: int = 0) -> None:
     """Plain decoding, the EAGLE tree, the chain of its depth and the `dynamic_trees`, per
     temperature, on chat prompts (or `prompts`), with the head at `eagle_path` (default: the
-    engine's); each row written to `log` as it is measured."""
+    engine's), drafting from the `draft_vocab_size` most frequent ids when > 0; each row written
+    to `log` as it is measured."""
     import functools
 
     import jax.numpy as jnp
@@ -478,6 +480,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from infer.sampling_params import SamplingParams
     from infer.spec.config import SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
+    from infer.spec.model_proposers import load_draft_vocab
     from infer.spec.tree import TreeShape, TreeSpeculator, tree_generate
 
     config, model, tokenizer = loaded
@@ -502,8 +505,10 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
     # The baseline and the speculators run the target on one DeviceSteps: bound once.
     plain = functools.cache(lambda: DeviceSteps(model, feature_layers=head.feature_layers))
+    vocab = (load_draft_vocab(SpeculativeConfig("eagle").draft_vocab_path, draft_vocab_size,
+                              config.vocab_size) if draft_vocab_size else None)
     specs = functools.cache(lambda s: TreeSpeculator(plain(), head, s.branches, s.depth, max_len,
-                                                     s.budget, s.width))
+                                                     s.budget, s.width, vocab))
     eos = tokenizer.eos_ids if tokenizer is not None else ()
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
 
@@ -564,6 +569,8 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
               "num_prompts": num_prompts, "max_tokens": max_tokens,
               "snippet_chars": snippet_chars, "seed": seed,
               **({"eagle_path": eagle_path} if eagle_path else {})}
+    # The baselines' rows never name it: the tree rows of every vocabulary share them.
+    vocab_key = {"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {}
     for t in temperatures:
         base = log.measure({**common, "method": "none", "tree": "none", "temperature": t},
                            lambda t=t: measure_plain(t))
@@ -573,7 +580,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
             budget = {} if shape.budget is None else {"budget": shape.budget,
                                                       "width": shape.expand_width}
             log.measure({**common, "method": "eagle_tree", "tree": str(shape),
-                         "branches": shape.branches, "depth": shape.depth, **budget,
+                         "branches": shape.branches, "depth": shape.depth, **budget, **vocab_key,
                          "k": shape.depth, "temperature": t},
                         lambda shape=shape, t=t, base=base: measure_tree(shape, t, base))
             bar.update(1)
@@ -692,7 +699,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
                  random_head=random_head, seed=seed, loaded=loaded, log=log,
                  prompts=(prompts or {}).get("chat"), eagle_path=eagle_path,
-                 dynamic_trees=dynamic_trees)
+                 dynamic_trees=dynamic_trees, draft_vocab_size=draft_vocab_size)
     rows = log.rows()
     engine_rows = [r for r in rows if r["part"] == "engine"]
     if engine_rows:

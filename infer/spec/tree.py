@@ -58,10 +58,11 @@ from infer.engine.buckets import next_power_of_two, prompt_bucket
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import timed_generate
 from infer.model.binding import binding
-from infer.model.llama import Llama
+from infer.model.llama import Llama, dense
 from infer.sampling import SamplingArrays, sampling_probs, verify_keys
 from infer.sampling_params import SamplingParams, is_integer
 from infer.spec.eagle_head import EagleHead
+from infer.spec.model_proposers import DraftVocab, draft_vocab_rows
 from infer.spec.verify import path_tokens, verify_tree_greedy, verify_tree_sampled
 
 Bind = Callable[[tuple], tuple[Llama, EagleHead]]
@@ -227,6 +228,17 @@ def _head_rows(target: Llama, head: EagleHead, cache: KVCache, length: jax.Array
     return pred[0], cache
 
 
+def _top_children(target: Llama, vocab: DraftVocab | None, hidden: jax.Array, k: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The head's k likeliest next tokens after predicted features [..., F]: log-probabilities
+    and target ids [..., k], over the whole vocabulary or the draft vocabulary's rows only
+    (FR-Spec; any subset keeps verification exact, the candidates being point masses)."""
+    logits = (target.logits(hidden) if vocab is None
+              else dense(hidden, vocab[0], "...e,ve->...v"))
+    score, index = jax.lax.top_k(jax.nn.log_softmax(logits), k)
+    return score, (index if vocab is None else vocab[1][index]).astype(jnp.int32)
+
+
 def _tree_programs(bind: Bind, shape: TreeShape):
     """Jitted (draft, verify, step) for one model structure and tree shape. `draft` returns
     the tree, tokens [N] and parents [N] (node 0: the root), and the head's cache."""
@@ -243,7 +255,7 @@ def _tree_programs(bind: Bind, shape: TreeShape):
 
     def full_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
         """Every node's top-`branches` children, level by level."""
-        target, head = bind(params)
+        (target, head), vocab = bind(params), params[2]
         branches = shape.branches
         parents = full_tree(branches, depth)
         node_depth = _depths(parents)
@@ -252,29 +264,28 @@ def _tree_programs(bind: Bind, shape: TreeShape):
         parent_rows = jnp.asarray(parents[1:rows + 1] - 1)
         h_root, cache = catch_up(target, head, state)
         tokens = jnp.full(n, -1, jnp.int32).at[0].set(state.root)
-        _, first = jax.lax.top_k(target.logits(h_root), branches)
-        tokens = tokens.at[1:1 + branches].set(first.astype(jnp.int32))
+        _, first = _top_children(target, vocab, h_root, branches)
+        tokens = tokens.at[1:1 + branches].set(first)
         out = jnp.zeros((rows, h_root.shape[-1]), jnp.float32)
         for level in range(2, depth + 1):
             lo, hi = int((node_depth < level - 1).sum()), int((node_depth < level).sum())
             out, cache = _head_rows(target, head, cache, state.length, h_root, out,
                                     parent_rows, tokens[1:rows + 1], hi - 1, depth)
-            _, kids = jax.lax.top_k(target.logits(out[lo - 1:hi - 1]), branches)
-            tokens = tokens.at[branches * lo + 1:branches * hi + 1].set(
-                kids.reshape(-1).astype(jnp.int32))
+            _, kids = _top_children(target, vocab, out[lo - 1:hi - 1], branches)
+            tokens = tokens.at[branches * lo + 1:branches * hi + 1].set(kids.reshape(-1))
         return tokens, jnp.asarray(parents), cache
 
     def dynamic_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
         """EAGLE-2: expand the best `width` candidates of each level (by cumulative log p),
         then keep the best `budget` of all candidates. Candidates are kept in drafting order,
         the head's rows (the expanded candidates) likewise."""
-        target, head = bind(params)
+        (target, head), vocab = bind(params), params[2]
         k = shape.branches
         expanded, drafted = dynamic_tree_size(k, depth, shape.expand_width)
         rows = sum(expanded)
         h_root, cache = catch_up(target, head, state)
-        score, token = jax.lax.top_k(jax.nn.log_softmax(target.logits(h_root)), k)
-        cand_tokens = jnp.zeros(drafted, jnp.int32).at[:k].set(token.astype(jnp.int32))
+        score, token = _top_children(target, vocab, h_root, k)
+        cand_tokens = jnp.zeros(drafted, jnp.int32).at[:k].set(token)
         cand_scores = jnp.zeros(drafted, jnp.float32).at[:k].set(score)
         cand_parents = jnp.full(drafted, -1, jnp.int32)
         row_of = jnp.full(drafted, -1, jnp.int32)  # the head row expanding a candidate
@@ -293,10 +304,9 @@ def _tree_programs(bind: Bind, shape: TreeShape):
             row_tokens = row_tokens.at[here].set(cand_tokens[pick])
             out, cache = _head_rows(target, head, cache, state.length, h_root, out,
                                     parent_rows, row_tokens, row_lo + m, depth)
-            score, token = jax.lax.top_k(
-                jax.nn.log_softmax(target.logits(out[row_lo:row_lo + m])), k)
+            score, token = _top_children(target, vocab, out[row_lo:row_lo + m], k)
             new = slice(cand_end, cand_end + m * k)
-            cand_tokens = cand_tokens.at[new].set(token.reshape(-1).astype(jnp.int32))
+            cand_tokens = cand_tokens.at[new].set(token.reshape(-1))
             cand_scores = cand_scores.at[new].set(
                 (cand_scores[pick][:, None] + score).reshape(-1))
             cand_parents = cand_parents.at[new].set(jnp.repeat(pick, k))
@@ -376,8 +386,9 @@ class TreeSpeculator:
     generate through one object to compile once."""
 
     def __init__(self, target: Llama | DeviceSteps, head: EagleHead, branches: int, depth: int,
-                 max_len: int = 512, budget: int | None = None, width: int | None = None
-                 ) -> None:
+                 max_len: int = 512, budget: int | None = None, width: int | None = None,
+                 draft_vocab: np.ndarray | None = None) -> None:
+        """`draft_vocab`: target ids the head drafts from (`load_draft_vocab`), None: all."""
         self.steps = (target if isinstance(target, DeviceSteps)
                       else DeviceSteps(target, feature_layers=head.feature_layers))
         if self.steps.feature_layers != head.feature_layers:
@@ -391,7 +402,11 @@ class TreeSpeculator:
         self.parents = full_tree(branches, depth) if budget is None else None
         self.num_nodes = self.shape.num_nodes
         t, h = self.steps.binding, binding(head)
-        self.params = (t.params, h.params)
+        if draft_vocab is not None and len(draft_vocab) < branches:
+            raise ValueError(f"a draft vocabulary of {len(draft_vocab)} ids cannot give "
+                             f"{branches} children per node")
+        # The vocabulary's LM-head rows are gathered once, here, like the weights' binding.
+        self.params = (t.params, h.params, draft_vocab_rows(t.bind(t.params), draft_vocab))
 
         def bind(params: tuple) -> tuple[Llama, EagleHead]:
             return t.bind(params[0]), h.bind(params[1])

@@ -446,6 +446,29 @@ def test_drafted_children_are_the_heads_dense_top_k(tiny, speculators, shape) ->
         assert got == want if len(shape) == 2 else got <= want, paths[node]
 
 
+@pytest.mark.parametrize("shape", [(2, 3), (3, 3, 10)])
+def test_a_draft_vocabulary_maps_back_to_target_ids(tiny, device_steps, speculators, shape
+                                                     ) -> None:
+    """The whole vocabulary as a draft vocabulary, in a random order, drafts the same tree as
+    no draft vocabulary (choices map back to target ids); a subset drafts only its own ids,
+    and the output is still plain greedy decoding."""
+    rng = np.random.default_rng()
+    head, plain = tiny[1], speculators("random", *shape)
+    state = plain.prefill(PROMPT)
+    want = [np.asarray(a).tolist() for a in plain.draft(state)[:2]]
+    permuted = TreeSpeculator(device_steps("random"), head, *shape[:2], MAX_LEN, *shape[2:],
+                              draft_vocab=rng.permutation(CONFIG.vocab_size).astype(np.int32))
+    assert [np.asarray(a).tolist() for a in permuted.draft(state)[:2]] == want
+    subset = rng.choice(CONFIG.vocab_size, 24, replace=False).astype(np.int32)
+    small = TreeSpeculator(device_steps("random"), head, *shape[:2], MAX_LEN, *shape[2:],
+                           draft_vocab=subset)
+    assert set(np.asarray(small.draft(state)[0])[1:].tolist()) <= set(subset.tolist())
+    got, _ = tree_generate(small, PROMPT, 20)
+    assert got == tree_generate(plain, PROMPT, 20)[0]
+    with pytest.raises(ValueError, match="children"):
+        TreeSpeculator(device_steps("random"), head, 3, 2, MAX_LEN, draft_vocab=subset[:2])
+
+
 def test_sampled_dynamic_tree_keeps_the_joint_law(oracle, speculators) -> None:
     """The first three tokens of sampled dynamic-tree generation follow plain sampling's exact
     law (chi-square): the first comes from the prefill, the next two from the first verify
