@@ -63,7 +63,7 @@ from infer.sampling import SamplingArrays, sampling_probs, verify_keys
 from infer.sampling_params import SamplingParams, is_integer
 from infer.spec.eagle_head import EagleHead
 from infer.spec.model_proposers import DraftVocab, draft_vocab_rows
-from infer.spec.verify import path_tokens, verify_tree_greedy, verify_tree_sampled
+from infer.spec.verify import path_tokens, tree_depth, verify_tree_greedy, verify_tree_sampled
 
 Bind = Callable[[tuple], tuple[Llama, EagleHead]]
 
@@ -460,11 +460,15 @@ class TreeSpeculator:
                 raise ValueError("a dynamic tree's shape comes with its draft: pass its parents")
             parents = self.parents
         tokens = jnp.asarray(tree_tokens, jnp.int32)
-        parents = jnp.asarray(parents, jnp.int32)
-        if tokens.shape != (self.num_nodes,) or parents.shape != (self.num_nodes,):
+        host_parents = np.asarray(parents)
+        if tokens.shape != (self.num_nodes,) or host_parents.shape != (self.num_nodes,):
             raise ValueError(f"a tree of this speculator has {self.num_nodes} nodes: got tokens "
-                             f"{tokens.shape}, parents {parents.shape}")
-        return self._verify(self.params, state, tokens, parents)
+                             f"{tokens.shape}, parents {host_parents.shape}")
+        # The program's masks and positions reach `depth` levels only: a deeper tree would be
+        # verified against missing ancestors.
+        if tree_depth(host_parents) > self.depth:
+            raise ValueError(f"a tree deeper than this speculator's {self.depth} levels")
+        return self._verify(self.params, state, tokens, jnp.asarray(host_parents, jnp.int32))
 
     def step(self, state: SpecState) -> tuple[SpecState, jax.Array, jax.Array]:
         """Draft + verify + compaction in one dispatch; donates `state`. Returns (state,

@@ -297,6 +297,10 @@ def test_a_step_past_max_len_raises(speculators) -> None:
     for call in (spec.step, spec.draft, lambda s: spec.verify(s, np.zeros(spec.num_nodes))):
         with pytest.raises(ValueError, match=rf"slots \[{MAX_LEN - 14}, {MAX_LEN + 1}\)"):
             call(full)
+    with pytest.raises(ValueError, match="deeper"):  # a chain of 14 below a 3-level tree
+        spec.verify(state, np.zeros(spec.num_nodes), np.arange(-1, spec.num_nodes - 1))
+    with pytest.raises(ValueError, match="parents must be"):
+        spec.verify(state, np.zeros(spec.num_nodes), np.r_[-1, 2, np.zeros(13, int)])
     spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
 
 
