@@ -78,7 +78,7 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import generate
     from infer.io.loader import load
-    from infer.spec.config import SpeculativeConfig
+    from infer.spec.config import DRAFT_VOCAB_PATH
     from infer.spec.eagle_head import load_eagle
     from infer.spec.model_proposers import load_draft_vocab
 
@@ -89,7 +89,7 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
         config, target, tokenizer = load("smollm2-135m", "float32")
         ids = None
         if draft_vocab_size:
-            ids = load_draft_vocab(SpeculativeConfig("eagle").draft_vocab_path, draft_vocab_size,
+            ids = load_draft_vocab(DRAFT_VOCAB_PATH, draft_vocab_size,
                                    config.vocab_size)
         return target, load_eagle(config, eagle_path), tokenizer, DeviceSteps(target), ids
 

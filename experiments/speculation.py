@@ -478,7 +478,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import generate
     from infer.sampling_params import SamplingParams
-    from infer.spec.config import SpeculativeConfig
+    from infer.spec.config import DRAFT_VOCAB_PATH, SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
     from infer.spec.model_proposers import load_draft_vocab
     from infer.spec.tree import TreeShape, TreeSpeculator, tree_generate
@@ -505,7 +505,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
     # The baseline and the speculators run the target on one DeviceSteps: bound once.
     plain = functools.cache(lambda: DeviceSteps(model, feature_layers=head.feature_layers))
-    vocab = (load_draft_vocab(SpeculativeConfig("eagle").draft_vocab_path, draft_vocab_size,
+    vocab = (load_draft_vocab(DRAFT_VOCAB_PATH, draft_vocab_size,
                               config.vocab_size) if draft_vocab_size else None)
     specs = functools.cache(lambda s: TreeSpeculator(plain(), head, s.branches, s.depth, max_len,
                                                      s.budget, s.width, vocab))

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # The repository's weights/ folder, where the trainers write the drafters.
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "weights")
+# The shipped ranking of SmolLM2's ids by how often its own generations use them
+# (experiments.draft_vocab).
+DRAFT_VOCAB_PATH = os.path.join(WEIGHTS_DIR, "draft_vocab_smollm2.npy")
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self_draft", "eagle", "suffix")
 # The methods whose drafts score the vocabulary through an LM head: only they can reduce it
@@ -56,7 +59,7 @@ class SpeculativeConfig:
     # FR-Spec: model drafts score only the `draft_vocab_size` most frequent target ids of the
     # ranking at `draft_vocab_path` (experiments.draft_vocab); None scores all of them.
     draft_vocab_size: int | None = None
-    draft_vocab_path: str = os.path.join(WEIGHTS_DIR, "draft_vocab_smollm2.npy")
+    draft_vocab_path: str = DRAFT_VOCAB_PATH
     # A confidence stop (EAGLE-2's estimate of a path's acceptance): a model draft's chain ends
     # before the first draft whose running product of top probabilities (each draft's, known
     # before it is drawn: `model_proposers._draw_draft`) falls below this; a
