@@ -91,6 +91,12 @@ def draft_vocab_rows(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
     return jnp.take(head, jnp.asarray(ids), axis=0), jnp.asarray(ids, jnp.int32)
 
 
+def draft_logits(model: Llama, hidden: jax.Array, vocab: DraftVocab | None) -> jax.Array:
+    """Logits of final hidden states [..., E] through `model`'s LM head: [..., V], or with
+    `vocab` [..., N] over its rows only (a choice i there is target id vocab[1][i])."""
+    return model.logits(hidden) if vocab is None else dense(hidden, vocab[0], "...e,ve->...v")
+
+
 def _draw_draft(model: Llama, hidden: jax.Array, vocab: DraftVocab | None,
                 sampling: SamplingArrays, keys: jax.Array, sampled: bool
                 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -102,7 +108,7 @@ def _draw_draft(model: Llama, hidden: jax.Array, vocab: DraftVocab | None,
     token's own probability: a stop that looked at the drawn value would keep some draws and
     drop others, and the kept ones would no longer be distributed as the q the verifier
     corrects for (greedy drafts are the top, so there both are the same)."""
-    logits = model.logits(hidden) if vocab is None else dense(hidden, vocab[0], "be,ve->bv")
+    logits = draft_logits(model, hidden, vocab)
     choice, probs = draw(logits, sampling, keys, with_probs=sampled)
     confidence = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
     if probs is not None:

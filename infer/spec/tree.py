@@ -58,11 +58,11 @@ from infer.engine.buckets import next_power_of_two, prompt_bucket
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import timed_generate
 from infer.model.binding import binding
-from infer.model.llama import Llama, dense
+from infer.model.llama import Llama
 from infer.sampling import SamplingArrays, sampling_probs, verify_keys
 from infer.sampling_params import SamplingParams, is_integer
 from infer.spec.eagle_head import EagleHead
-from infer.spec.model_proposers import DraftVocab, draft_vocab_rows
+from infer.spec.model_proposers import DraftVocab, draft_logits, draft_vocab_rows
 from infer.spec.verify import path_tokens, tree_depth, verify_tree_greedy, verify_tree_sampled
 
 Bind = Callable[[tuple], tuple[Llama, EagleHead]]
@@ -233,9 +233,7 @@ def _top_children(target: Llama, vocab: DraftVocab | None, hidden: jax.Array, k:
     """The head's k likeliest next tokens after predicted features [..., F]: log-probabilities
     and target ids [..., k], over the whole vocabulary or the draft vocabulary's rows only
     (FR-Spec; any subset keeps verification exact, the candidates being point masses)."""
-    logits = (target.logits(hidden) if vocab is None
-              else dense(hidden, vocab[0], "...e,ve->...v"))
-    score, index = jax.lax.top_k(jax.nn.log_softmax(logits), k)
+    score, index = jax.lax.top_k(jax.nn.log_softmax(draft_logits(target, hidden, vocab)), k)
     return score, (index if vocab is None else vocab[1][index]).astype(jnp.int32)
 
 
