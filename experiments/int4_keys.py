@@ -28,6 +28,11 @@ and any of these options, appended in any order (`channel:32+rot+clip+log8+z8`):
   +resN   the same over blocks of N tokens, for any scheme: a cache that quantizes a block of
           N tokens only once it is full, reading the block still filling in bfloat16
   +sink   the first SINK tokens of a sequence (attention sinks) kept, and read, in bfloat16
+  +first  (channel only) the first window quantized per token instead, in groups of 32
+          channels, unrotated, with the same step and low encodings: the same bytes as a
+          window of 32, and no state beyond the page, where +sink needs bfloat16 per sequence.
+          The sink tokens' outliers then set only their own groups' ranges, not every
+          channel's range over the window they share with 31 ordinary tokens
   +prerope  (keys only) quantize the keys before RoPE (KVQuant), as a cache would that stored
           them so and rotated them as it read them; with +mean, the mean of pre-RoPE keys,
           added back before the rotation
@@ -74,7 +79,8 @@ CHUNK, PAGE = 256, 16
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # +clip's candidate fractions of a group's range
 LOG8_OFFSET, LOG8_PER_OCTAVE = 12, 16  # +log8: step = 2^(c / 16 - 12), c a uint8
 SINK = 4  # +sink's tokens kept in bfloat16
-OPTIONS = ("mean", "rot", "clip", "log8", "z8", "sym", "res", "sink", "prerope", "smooth")
+OPTIONS = ("mean", "rot", "clip", "log8", "z8", "sym", "res", "sink", "prerope", "smooth",
+           "first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Scheme:
     sink: bool = False  # the first SINK tokens kept in bfloat16
     prerope: bool = False  # keys quantized before RoPE
     smooth: bool = False  # keys divided by static per-channel scales first
+    first: bool = False  # the first window per token (groups of 32, unrotated)
 
     @staticmethod
     def parse(text: str) -> "Scheme":
@@ -109,6 +116,8 @@ class Scheme:
                              "tokens read in bfloat16 is +resN")
         if len(blocks) + ("res" in options) > 1 or (blocks and int(blocks[0][3:]) < 1):
             raise ValueError(f"scheme {text!r}: at most one +res or +resN, N >= 1")
+        if "first" in options and kind != "channel":
+            raise ValueError(f"scheme {text!r}: +first is a channel-scheme option")
         if "sym" in options and "z8" in options:
             raise ValueError(f"scheme {text!r}: +sym stores no low for +z8 to encode")
         return Scheme(kind, int(size) if size else 0, mean="mean" in options,
@@ -118,7 +127,8 @@ class Scheme:
                       residual=(int(blocks[0][3:]) if blocks else
                                 int(size) if "res" in options else 0),
                       sink="sink" in options,
-                      prerope="prerope" in options, smooth="smooth" in options)
+                      prerope="prerope" in options, smooth="smooth" in options,
+                      first="first" in options)
 
     @property
     def group_bytes(self) -> int:
@@ -176,14 +186,21 @@ def _round_trip(groups, axis: int, scheme: Scheme, ratio: float):
     return q * step + low
 
 
-def fake_quantize(x, scheme: Scheme):
-    """x [B, T, K, D] float32 through `scheme` and back (T a multiple of a channel window)."""
+def fake_quantize(x, scheme: Scheme, positions=None):
+    """x [B, T, K, D] float32 through `scheme` and back (T a multiple of a channel window);
+    `positions` [B, T] for +first."""
     import jax.numpy as jnp
 
     from infer.cache.paged import hadamard_rotate
 
     if scheme.kind == "none":
         return x
+    if scheme.first:
+        per_token = dataclasses.replace(scheme, kind="token", size=min(32, x.shape[-1]),
+                                        rotate=False, first=False)
+        rest = fake_quantize(x, dataclasses.replace(scheme, first=False))
+        return jnp.where((positions < scheme.size)[:, :, None, None],
+                         fake_quantize(x, per_token), rest)
     b, t, k, d = x.shape
     if scheme.rotate:
         x = hadamard_rotate(x)
@@ -250,7 +267,7 @@ def _register():
             def through(x, scheme, means, smooth=()):  # the mean off, x quantized, the mean back
                 mean = means[layer] if means else 0.0
                 scale = smooth[layer] if smooth else 1.0
-                return fake_quantize((x - mean) / scale, scheme) * scale + mean
+                return fake_quantize((x - mean) / scale, scheme, meta.positions) * scale + mean
 
             if self.keys.prerope:
                 pre = apply_rope(k, -meta.positions, self.inv_freq)

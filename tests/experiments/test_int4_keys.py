@@ -79,3 +79,19 @@ def test_smoothing_scales_minimize_the_isotropic_score_error(seed: int) -> None:
         nudge = np.tile(np.exp(rng.normal(size=(kv, d // 2)) * 0.2), 2)
         assert np.all(error(s * nudge) >= best * (1 - 1e-9))
     assert np.all(best < error(np.ones_like(s)))  # and it beats no smoothing on outlier keys
+
+
+def test_first_window_is_quantized_per_token_unrotated() -> None:
+    """+first: positions of the first window read back as a per-token, unrotated scheme of
+    groups of 32 would; every later one as the channel scheme alone."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 16, 2, 64)) * 2, jnp.float32)
+    x = x.at[0, 0].multiply(50.0)  # a sink token
+    positions = jnp.arange(16)[None]
+    scheme = Scheme.parse("channel:8+log8+z8+first")
+    both = np.asarray(fake_quantize(x, scheme, positions))
+    token = Scheme("token", 32, step="log8", low="z8")  # rotate=False
+    np.testing.assert_array_equal(both[:, :8], np.asarray(fake_quantize(x, token))[:, :8])
+    channel = Scheme.parse("channel:8+log8+z8")
+    np.testing.assert_array_equal(both[:, 8:], np.asarray(fake_quantize(x, channel))[:, 8:])
+    with pytest.raises(ValueError, match="channel-scheme option"):
+        Scheme.parse("token:32+first")
