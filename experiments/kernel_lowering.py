@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from absl import flags
 
-from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS
+from kernels_pallas.kv_quant import PAGE_FORMATS, SUPPORTED_KV_FORMATS
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("platforms", ["tpu", "cuda"], "platforms to lower for", flag_values=FLAGS)
-flags.DEFINE_list("kv_formats", list(SUPPORTED_KV_FORMATS), "KV cache formats", flag_values=FLAGS)
+flags.DEFINE_list("kv_formats", list(SUPPORTED_KV_FORMATS + PAGE_FORMATS), "KV cache formats",
+                  flag_values=FLAGS)
 flags.DEFINE_string("out", "results/kernel_lowering.jsonl", "JSONL output", flag_values=FLAGS)
 
 
@@ -33,7 +34,7 @@ def run(*, platforms: list[str], kv_formats: list[str], out: str) -> list[dict]:
     from kernels_pallas.kv_quant import resolve_kv_format
     from kernels_pallas.paged_attention import lowering
 
-    formats = tuple(resolve_kv_format(f) for f in kv_formats)
+    formats = tuple(resolve_kv_format(f, page_formats=True) for f in kv_formats)
     log = ResultLog(out)
     rows = []
     for platform in platforms:

@@ -19,9 +19,12 @@ from experiments.common import define_resume_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                              "int8", "int4"], "KV cache formats", flag_values=FLAGS)
+                              "int8", "int4", "int4_kivi"], "KV cache formats", flag_values=FLAGS)
 flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format", flag_values=FLAGS)
-flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring", flag_values=FLAGS)
+flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring; 1 scores each token as a "
+                     "decode step, as a generated token is (int4_kivi reads a token's own page "
+                     "exactly only while it is filling, so chunks that complete pages read "
+                     "them quantized)", flag_values=FLAGS)
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep", flag_values=FLAGS)
 flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", flag_values=FLAGS)
 flags.DEFINE_integer("page_size", 16, "tokens per page", flag_values=FLAGS)
@@ -36,7 +39,7 @@ def score_text(steps, config, ids: list[int], kv_format: str, chunk: int, page_s
 
     pages = -(-len(ids) // page_size)
     cache = PagedKVCache.create(config.num_layers, pages, page_size, config.num_kv_heads,
-                                config.head_dim, kv_format)
+                                config.head_dim, kv_format, num_windows=1)
     return score_through(steps, ids, cache, pages, chunk)
 
 
@@ -74,6 +77,7 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
 
     from experiments.common import ResultLog, markdown_table, plot_path
     from experiments.workloads import HELD_OUT, consecutive_prompts, text_ids
+    from infer.cache import kivi
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import PagedLayout, decode_stream
@@ -102,9 +106,14 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
             "kl_vs_float32": float(np.mean(np.sum(p_ref * (ref - logp), axis=-1))),
             "top1_agreement": float(np.mean(logp.argmax(-1) == ref.argmax(-1))),
             "perplexity": float(np.exp(-np.mean(logp[np.arange(len(targets)), targets]))),
-            "bytes_per_token": kv_bytes_per_token(config, kv_format),
+            "bytes_per_token": kv_bytes_per_token(config, kv_format, page_size=page_size),
             "bytes_per_token_no_scales": kv_bytes_per_token(config, kv_format,
-                                                            include_scales=False),
+                                                            include_scales=False,
+                                                            page_size=page_size),
+            # Held per sequence beside the pages (int4_kivi's bfloat16 window).
+            "bytes_per_sequence": (config.num_layers * config.num_kv_heads *
+                                   kivi.window_bytes(config.head_dim, page_size)
+                                   if kv_format == kivi.KIVI_FORMAT else 0),
         }
 
     for kv_format in tqdm(formats, desc="quality"):

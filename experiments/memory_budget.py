@@ -5,7 +5,8 @@ only: no model is loaded.
   python -m experiments.memory_budget --gpus=4 --gpu_memory_gb=80 --contexts=2048,4096,32768
 
 Quantized formats carry bfloat16 scales of 2 bytes (fp8: one per head and token; int4: one per
-group of 32), so their real cost is above the ideal bits; both are reported.
+group of 32), so their real cost is above the ideal bits; both are reported. int4_kivi (pages of
+32 tokens) carries one-byte codes and a bfloat16 window per sequence, which max users count.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from experiments.common import define_resume_flag
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("models", ["llama-3-8b", "llama-3-70b", "llama-3-405b", "mistral-7b"],
                   "model presets", flag_values=FLAGS)
-flags.DEFINE_list("kv_formats", ["float16", "float8_e4m3fn", "int4"], "KV-cache formats", flag_values=FLAGS)
+flags.DEFINE_list("kv_formats", ["float16", "float8_e4m3fn", "int4", "int4_kivi"],
+                  "KV-cache formats", flag_values=FLAGS)
 flags.DEFINE_integer("gpus", 4, "number of GPUs", flag_values=FLAGS)
 flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)", flag_values=FLAGS)
 flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAGS)
@@ -29,7 +31,8 @@ flags.DEFINE_string("out", "results/memory_budget.jsonl", "JSONL output (a PNG p
 define_resume_flag(FLAGS)
 
 FORMAT_LABELS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16",
-                 "float8_e4m3fn": "FP8", "float8_e5m2": "FP8-e5m2", "int8": "INT8", "int4": "INT4"}
+                 "float8_e4m3fn": "FP8", "float8_e5m2": "FP8-e5m2", "int8": "INT8", "int4": "INT4",
+                 "int4_kivi": "INT4-KIVI"}
 PLOT_CONTEXT = 4096
 # The lesson's worked figure: 2 (K and V) * 80 layers * 8 KV heads * 128 dims * 2 bytes.
 LLAMA3_70B_BF16_BYTES = 327_680
@@ -56,6 +59,7 @@ def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
         "format": FORMAT_LABELS.get(name, name), "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
         "weight_dtype": weight_dtype, "overhead_fraction": overhead_fraction,
         "kv_bytes_per_token": budget.kv_bytes_per_token, "kv_bytes_per_token_ideal": ideal,
+        "kv_bytes_per_sequence": budget.kv_bytes_per_sequence,
         "mha_kv_bytes_per_token": mha, "gqa_saving": gqa_saving(config),
         "weight_gb": budget.weight_bytes / GB, "usable_gb": usable / GB,
         "kv_gb_available": max(0.0, budget.kv_bytes_available) / GB,

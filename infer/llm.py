@@ -28,7 +28,8 @@ class LLM:
 
     model: a bundled preset ("smollm2-135m"), a GGUF file or a HF directory.
     dtype: weights, "float32" or "bfloat16". kv_cache_dtype: "auto" (the weights' dtype) or a
-    KV format (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4).
+    KV format (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4, int4_kivi;
+    int4_kivi with the reference attention backend only, best at page_size=32).
     scheduler: "continuous" or "static". attention_backend: "reference" or "pallas".
 
     Past one device (`infer.parallel`): tensor_parallel_size T splits heads, the FFN and the

@@ -37,6 +37,9 @@ import jax.numpy as jnp
 SUPPORTED_KV_FORMATS: tuple[str, ...] = (
     "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int4",
 )
+# Formats of the paged cache alone, laid out per page rather than per vector, so not formats of
+# the functions here or of the kernels: int4_kivi (`infer.cache.kivi`).
+PAGE_FORMATS: tuple[str, ...] = ("int4_kivi",)
 _UNSCALED = ("float32", "bfloat16", "float16")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 INT4_GROUP = 32
@@ -47,14 +50,20 @@ KV_FORMAT_ALIASES: dict[str, str] = {
 }
 
 
-def resolve_kv_format(kv_format: str) -> str:
-    """The canonical name of a KV format or alias; ValueError naming both lists otherwise."""
+def resolve_kv_format(kv_format: str, page_formats: bool = False) -> str:
+    """The canonical name of a KV format or alias; ValueError naming both lists otherwise.
+    page_formats: accept `PAGE_FORMATS` too (the paged cache's callers); the kernels and the
+    per-vector functions here do not."""
     # Strings only: a numpy dtype compares equal to its name, and would then key jit caches as
     # a second spelling of the same format.
     name = KV_FORMAT_ALIASES.get(kv_format, kv_format) if isinstance(kv_format, str) else None
-    if name not in SUPPORTED_KV_FORMATS:
+    if name in PAGE_FORMATS and not page_formats:
+        raise ValueError(f"kv_format {name!r} is a format of the paged cache, laid out per page; "
+                         "the Pallas kernels and per-vector quantization do not read it")
+    if name not in SUPPORTED_KV_FORMATS + PAGE_FORMATS:
+        supported = SUPPORTED_KV_FORMATS + (PAGE_FORMATS if page_formats else ())
         raise ValueError(
-            f"unsupported kv_format {kv_format!r}; supported: {', '.join(SUPPORTED_KV_FORMATS)} "
+            f"unsupported kv_format {kv_format!r}; supported: {', '.join(supported)} "
             f"(aliases: {', '.join(sorted(KV_FORMAT_ALIASES))})")
     return name
 

@@ -7,22 +7,33 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from infer.cache import kivi
 from infer.model.config import LlamaConfig
 from kernels_pallas.kv_quant import KV_FORMAT_ALIASES, bytes_per_token_per_head, resolve_kv_format
 
 GB = 1e9  # GPU memory is sold in decimal gigabytes (A100-80GB: 80e9 bytes)
 
 
+KIVI_PAGE_SIZE = 32  # int4_kivi's page in the budget: its keys' codes cost 2 D / G per token
+
+
 def kv_format_name(kv_format: str) -> str:
     """The canonical name of a KV format or alias (the kernels' one table)."""
-    return resolve_kv_format(kv_format)
+    return resolve_kv_format(kv_format, page_formats=True)
 
 
 def kv_bytes_per_token(config: LlamaConfig, kv_format: str = "bfloat16",
-                       include_scales: bool = True) -> int:
+                       include_scales: bool = True, page_size: int = KIVI_PAGE_SIZE) -> int:
     """Bytes one token's keys and values take over all layers (2 * L * K * D * bytes, plus the
-    quantization scales unless include_scales is False)."""
+    quantization scales unless include_scales is False). int4_kivi's depend on the page size
+    (its keys' codes are per page), and leave out its per-sequence windows
+    (`kivi.window_bytes`)."""
     name = kv_format_name(kv_format)
+    if name == kivi.KIVI_FORMAT:
+        kivi.check_geometry(config.head_dim, page_size)
+        both = sum(kivi.bytes_per_token(config.head_dim, page_size))
+        per_head = both / 2 if include_scales else config.head_dim / 2
+        return int(2 * config.num_layers * config.num_kv_heads * per_head)
     per_head = bytes_per_token_per_head(config.head_dim, name)
     if not include_scales:
         per_head = config.head_dim * _bits(name) // 8
@@ -50,6 +61,7 @@ class MemoryBudget:
     weight_bytes: float
     overhead_bytes: float  # activations, workspace, fragmentation reserve
     kv_bytes_per_token: int
+    kv_bytes_per_sequence: int = 0  # held per sequence whatever its length (int4_kivi's window)
 
     @property
     def kv_bytes_available(self) -> float:
@@ -67,7 +79,8 @@ class MemoryBudget:
         """Concurrent sequences of `context_len` tokens whose KV fits."""
         if context_len <= 0:
             raise ValueError(f"context_len must be positive, got {context_len}")
-        return self.max_cached_tokens // context_len
+        each = context_len * self.kv_bytes_per_token + self.kv_bytes_per_sequence
+        return max(0, int(self.kv_bytes_available // each))
 
 
 def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 1,
@@ -81,4 +94,15 @@ def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 
     return MemoryBudget(model=config.name, kv_format=kv_format_name(kv_format),
                         gpu_memory_bytes=total, weight_bytes=weight_bytes(config, weight_dtype),
                         overhead_bytes=overhead_fraction * total,
-                        kv_bytes_per_token=kv_bytes_per_token(config, kv_format))
+                        kv_bytes_per_token=kv_bytes_per_token(config, kv_format),
+                        kv_bytes_per_sequence=kv_bytes_per_sequence(config, kv_format))
+
+
+def kv_bytes_per_sequence(config: LlamaConfig, kv_format: str,
+                          page_size: int = KIVI_PAGE_SIZE) -> int:
+    """Bytes a sequence holds beside its pages, over all layers: int4_kivi's bfloat16 window of
+    its filling page; 0 for every other format."""
+    if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
+        return 0
+    return config.num_layers * config.num_kv_heads * kivi.window_bytes(config.head_dim,
+                                                                        page_size)

@@ -44,6 +44,10 @@ class AttentionMetadata:
     q_lens: jax.Array  # [B] int32, valid new tokens of each row (<= T); the rest is padding
     page_tables: jax.Array | None = None  # [B, n] int32, paged caches only
     tree_mask: jax.Array | None = None  # [B, T, T] bool: new token i sees new token j
+    # [B, 2] int32 (slot, tag) of each row's sequence window, for caches that keep one
+    # (`infer.cache.kivi`); None: row b's window is slot b, for loops whose rows each hold one
+    # sequence throughout.
+    windows: jax.Array | None = None
 
     @property
     def starts(self) -> jax.Array:
@@ -128,7 +132,8 @@ class MixedMetadata:
 def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached: np.ndarray,
                    q_lens: np.ndarray, tokens: int, row_of: Sequence[int] | None = None,
                    write_ends: np.ndarray | None = None,
-                   names: Sequence[str] | None = None) -> AttentionMetadata:
+                   names: Sequence[str] | None = None,
+                   with_windows: bool | None = None) -> AttentionMetadata:
     """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
     `q_lens` [rows] of them valid, sequence i (`pages[i]`, called `names[i]` in errors, e.g.
     "request 'id'") in row `row_of[i]` (default i), page tables `width` pages wide.
@@ -136,7 +141,11 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
     First checks on the host that each row writes only slots of pages it holds and its table
     shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which
     writes past its metadata. Under jit a write past the table would be dropped and one past
-    the held pages would land in page 0 (the table's padding), another sequence's."""
+    the held pages would land in page 0 (the table's padding), another sequence's.
+
+    with_windows: give the metadata the rows' windows (`AttentionMetadata.windows`); None: when
+    some sequence has one. Callers that compile ahead say which, so that a step with no
+    sequence (a warm-up dummy) has the same structure as the real ones."""
     if names is not None and len(names) != len(pages):
         raise ValueError(f"{len(names)} names for {len(pages)} sequences")
     row_of = range(len(pages)) if row_of is None else row_of
@@ -148,8 +157,19 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
     check_writes(cached, cached + q_lens if write_ends is None else write_ends, capacity,
                  row_names)
     positions = cached[:, None] + np.arange(tokens, dtype=np.int32)[None, :]
+    windows = None
+    if with_windows is None:
+        with_windows = any(seq.window is not None for seq in pages)
+    if with_windows:
+        # Rows without a sequence, or whose sequence has no window, point past every slot:
+        # they neither read nor write one.
+        windows = np.full((rows, 2), [np.iinfo(np.int32).max, -1], np.int32)
+        for i, seq in zip(row_of, pages):
+            if seq.window is not None:
+                windows[i] = seq.window
+        windows = jax.device_put(windows)
     # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
     return AttentionMetadata(
         positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
         q_lens=jax.device_put(q_lens),
-        page_tables=jax.device_put(page_tables(pages, rows, width, row_of)))
+        page_tables=jax.device_put(page_tables(pages, rows, width, row_of)), windows=windows)

@@ -40,6 +40,10 @@ class SequencePages:
     page_size: int
     pages: list[int] = dataclasses.field(default_factory=list)
     num_tokens: int = 0
+    # (slot, tag) of the sequence's window in a cache that keeps one (`infer.cache.kivi`):
+    # given by the allocator at the first reserve, returned at release. The tag is unique to
+    # this sequence, so a window slot that another sequence held is never read as its own.
+    window: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -90,16 +94,26 @@ def page_tables(pages: Sequence[SequencePages], rows: int, width: int,
     return tables
 
 
+class OutOfWindows(RuntimeError):
+    """Raised when a sequence needs a window slot and every one is held."""
+
+
 class PageAllocator:
-    """Free list plus a refcount per page.
+    """Free list plus a refcount per page; with `num_windows`, a free list of window slots too,
+    one per sequence holding pages (caches that keep each sequence's filling page apart).
 
     The free list is a stack (LIFO) so allocation order is deterministic and freshly released
     pages, likely still warm in caches, are handed out first.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, num_windows: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
+        if num_windows < 0:
+            raise ValueError(f"num_windows must be >= 0, got {num_windows}")
+        self.num_windows = num_windows
+        self._free_windows: list[int] = list(range(num_windows - 1, -1, -1))
+        self._next_tag = 0
         self.num_pages = num_pages
         self.page_size = page_size
         self._refcount = np.zeros(num_pages, dtype=np.int32)
@@ -182,10 +196,20 @@ class PageAllocator:
     def reserve(self, seq: SequencePages, new_num_tokens: int) -> None:
         """Grow `seq` so its capacity is >= `new_num_tokens`, all or nothing."""
         self._check_seq(seq)
+        if self.num_windows and seq.window is None and new_num_tokens > 0:
+            if not self._free_windows:
+                raise OutOfWindows(f"all {self.num_windows} window slots are held: at most that "
+                                   "many sequences can hold pages at once")
+            seq.pages.extend(self.allocate(seq.pages_needed(new_num_tokens)))
+            seq.window = (self._free_windows.pop(), self._next_tag)
+            self._next_tag = (self._next_tag + 1) % (1 << 31)
+            return
         seq.pages.extend(self.allocate(seq.pages_needed(new_num_tokens)))
 
     def fork(self, seq: SequencePages) -> SequencePages:
-        """A new sequence sharing every page of `seq` (beam search, parallel sampling)."""
+        """A new sequence sharing every page of `seq` (beam search, parallel sampling). It gets
+        a window of its own at its first reserve: the filling page it shares is then read
+        quantized until it writes the page again."""
         self._check_seq(seq)
         self.incref(seq.pages)
         return SequencePages(seq.page_size, list(seq.pages), seq.num_tokens)
@@ -239,6 +263,9 @@ class PageAllocator:
         self.decref(seq.pages)
         seq.pages.clear()
         seq.num_tokens = 0
+        if seq.window is not None:
+            self._free_windows.append(seq.window[0])
+            seq.window = None
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -250,6 +277,9 @@ class PageAllocator:
         if (self._refcount < 0).any():
             bad = np.flatnonzero(self._refcount < 0).tolist()
             raise AssertionError(f"negative refcounts at pages {bad}")
+        if len(set(self._free_windows)) != len(self._free_windows) or not set(
+                self._free_windows) <= set(range(self.num_windows)):
+            raise AssertionError(f"bad window free list {sorted(self._free_windows)}")
         zero = set(np.flatnonzero(self._refcount == 0).tolist())
         if zero != set(free):
             raise AssertionError(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.cache import attention
+from infer.cache import attention, kivi
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.model.sharding import BATCH, DEFAULT_RULES, HEAD_DIM, HEADS, KV_HEADS, SEQ, per_shard
 from kernels_pallas import kv_quant
@@ -44,6 +44,11 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]
     k_scales: tuple[jax.Array, ...] | None  # L x [P, K, G, groups] for scaled formats
     v_scales: tuple[jax.Array, ...] | None
+    # int4_kivi only (`infer.cache.kivi`): L x [R, K, G, D] bfloat16 keys and values of each of R
+    # sequences' filling page, and L x [R, 2] int32 (sequence tag, page index) of what each holds
+    k_window: tuple[jax.Array, ...] | None = None
+    v_window: tuple[jax.Array, ...] | None = None
+    window_tags: tuple[jax.Array, ...] | None = None
     kv_format: str = dataclasses.field(default="float32", metadata=dict(static=True))
     backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
     rotate: bool = dataclasses.field(default=False, metadata=dict(static=True))  # see create
@@ -51,8 +56,8 @@ class PagedKVCache:
     @staticmethod
     def create(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, kv_format: str = "float32", backend: str = "reference",
-               rotate: bool | None = None, mesh: jax.sharding.Mesh | None = None
-               ) -> "PagedKVCache":
+               rotate: bool | None = None, mesh: jax.sharding.Mesh | None = None,
+               num_windows: int = 0) -> "PagedKVCache":
         """A zeroed pool. Zero pages matter: attention gives masked slots probability 0, and
         0 * garbage must stay 0, so unused slots must never hold NaN or inf.
 
@@ -67,13 +72,20 @@ class PagedKVCache:
 
         mesh: allocate the pool split over KV heads on it (`PAGE_AXES`), never whole on one
         device.
+
+        num_windows: int4_kivi's bfloat16 windows, one per sequence that holds pages at once
+        (`PageAllocator(num_windows=)` hands them out). Rotation there is of values alone: keys
+        are quantized per channel, which a rotation would smear.
         """
-        kv_format = kv_quant.resolve_kv_format(kv_format)
+        kv_format = kv_quant.resolve_kv_format(kv_format, page_formats=True)
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need at least one page of at least one token, got num_pages="
                              f"{num_pages}, page_size={page_size}")
+        if kv_format == kivi.KIVI_FORMAT:
+            return PagedKVCache._create_kivi(num_layers, num_pages, page_size, num_kv_heads,
+                                             head_dim, backend, rotate, mesh, num_windows)
         shape = (num_pages, num_kv_heads, page_size, kv_quant.stored_head_dim(head_dim, kv_format))
         dtype = kv_quant.bits_dtype(kv_quant.storage_dtype(kv_format))
         device = None
@@ -92,6 +104,39 @@ class PagedKVCache:
         return PagedKVCache(k=pages(), v=pages(), k_scales=scales(), v_scales=scales(),
                             kv_format=kv_format, backend=backend, rotate=rotate)
 
+    @staticmethod
+    def _create_kivi(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                     head_dim: int, backend: str, rotate: bool | None,
+                     mesh: jax.sharding.Mesh | None, num_windows: int) -> "PagedKVCache":
+        kivi.check_geometry(head_dim, page_size)
+        if backend != "reference":
+            raise ValueError(f"{kivi.KIVI_FORMAT} is read by the reference attention backend "
+                             "only: the Pallas kernels do not implement its per-channel key "
+                             "pages or its bfloat16 windows")
+        if num_windows < 1:
+            raise ValueError(f"{kivi.KIVI_FORMAT} keeps each sequence's filling page in a "
+                             "bfloat16 window: num_windows must be >= 1 (the most sequences "
+                             f"holding pages at once), got {num_windows}")
+        device = None
+        if mesh is not None:
+            device = jax.sharding.NamedSharding(mesh, DEFAULT_RULES.spec(PAGE_AXES))
+        zeros = lambda shape, dtype: tuple(jnp.zeros(shape, dtype, device=device)
+                                           for _ in range(num_layers))
+        page = (num_pages, num_kv_heads, page_size)
+        window = (num_windows, num_kv_heads, page_size, head_dim)
+        bf16 = kv_quant.bits_dtype(jnp.bfloat16)
+        tags = tuple(jnp.full((num_windows, 2), -1, jnp.int32) for _ in range(num_layers))
+        if rotate is None:
+            rotate = True
+        if rotate:
+            _hadamard(head_dim)
+        return PagedKVCache(
+            k=zeros(page + (head_dim // 2,), jnp.uint8), v=zeros(page + (head_dim // 2,), jnp.uint8),
+            k_scales=zeros(page + (kivi.key_codes(head_dim, page_size),), jnp.uint8),
+            v_scales=zeros(page + (kivi.value_codes(head_dim),), jnp.uint8),
+            k_window=zeros(window, bf16), v_window=zeros(window, bf16), window_tags=tags,
+            kv_format=kivi.KIVI_FORMAT, backend=backend, rotate=rotate)
+
     @property
     def num_pages(self) -> int:
         return self.k[0].shape[0]
@@ -102,8 +147,13 @@ class PagedKVCache:
 
     @property
     def num_bytes(self) -> int:
-        arrays = self.k + self.v + (self.k_scales or ()) + (self.v_scales or ())
+        arrays = self.k + self.v + (self.k_scales or ()) + (self.v_scales or ()) + (
+            self.k_window or ()) + (self.v_window or ()) + (self.window_tags or ())
         return sum(a.nbytes for a in arrays)
+
+    @property
+    def _rotates_keys(self) -> bool:
+        return self.rotate and self.kv_format != kivi.KIVI_FORMAT
 
     def _slots(self, meta: AttentionMetadata) -> jax.Array:
         """[B, T] flat slot (page * G + offset) of each new token; padding, and any token past
@@ -126,6 +176,8 @@ class PagedKVCache:
                 cache = cache.write(layer, k_part, v_part, part)
             return cache
         meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
+        if self.kv_format == kivi.KIVI_FORMAT:
+            return self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v, meta)
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
         # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
@@ -154,9 +206,10 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
                ) -> jax.Array:
-        if self.rotate:
-            return hadamard_rotate(self._attend(layer, hadamard_rotate(q), meta), inverse=True)
-        return self._attend(layer, q, meta)
+        if self._rotates_keys:
+            q = hadamard_rotate(q)
+        out = self._attend(layer, q, meta)
+        return hadamard_rotate(out, inverse=True) if self.rotate else out
 
     def pages(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
         """Layer `layer`'s (keys, values, key scales, value scales) as the format stores them
@@ -172,6 +225,10 @@ class PagedKVCache:
                 return self._attend_ragged(layer, q, meta)
             return meta.packed([self._attend(layer, q_part, part)
                                 for q_part, part in zip(meta.split(q), meta.parts)])
+        if self.kv_format == kivi.KIVI_FORMAT:
+            k, v = self._gather_kivi(layer, meta, attention.compute_dtype(q.dtype))
+            return attention.masked_attention(q, k, v,
+                                              attention.visibility_mask(meta, k.shape[2]))
         pools = self.pages(layer)
         if self.backend == "pallas":
             fmt = self.kv_format
@@ -231,6 +288,124 @@ class PagedKVCache:
             packed, self.pages(layer), jnp.concatenate([p.lengths for p in meta.parts]), cu,
             jnp.concatenate([p.page_tables for p in meta.parts]))
         return jnp.where((dest < n)[:, None, None], out[jnp.minimum(dest, n - 1)], 0)[None]
+
+    def _windows(self, meta: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """[B] window slot and [B] sequence tag of each row (`AttentionMetadata.windows`)."""
+        if meta.windows is not None:
+            return meta.windows[:, 0], meta.windows[:, 1]
+        rows = jnp.arange(meta.positions.shape[0], dtype=jnp.int32)
+        return rows, -2 - rows  # never a tag the allocator gives (those are >= 0)
+
+    def _window_page(self, layer: int, slot: jax.Array, tag: jax.Array) -> jax.Array:
+        """[B] page index whose exact keys and values row b's window holds; -1 when it holds
+        none of this sequence's (another sequence's, or no window slot at all)."""
+        tags = jnp.take(self.window_tags[layer], slot, axis=0, mode="fill", fill_value=-1)
+        return jnp.where(tags[:, 0] == tag, tags[:, 1], -1)
+
+    def _read_window(self, pool: jax.Array, slot: jax.Array) -> jax.Array:
+        """Row b's window [B, K, G, D] as float32 (zeros past the slots)."""
+        bits = jnp.take(pool, slot, axis=0, mode="fill", fill_value=0)
+        return kv_quant.from_bits(bits, jnp.bfloat16).astype(jnp.float32)
+
+    def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array,
+                           dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of pages page_ids [B, n] as [B, n, K, G, D]; first [B, n] marks
+        page index 0 of its sequence (keys per token)."""
+        keys = kivi.dequantize_key_pages(self.k[layer][page_ids], self.k_scales[layer][page_ids],
+                                         first, dtype)
+        values = kivi.dequantize_values(self.v[layer][page_ids], self.v_scales[layer][page_ids],
+                                        dtype)
+        return keys, values
+
+    def _gather_kivi(self, layer: int, meta: AttentionMetadata, dtype: jnp.dtype
+                     ) -> tuple[jax.Array, jax.Array]:
+        """The row's pages as head-major [B, K, n * G, D] keys and values: dequantized, the
+        page its window holds read from the window instead."""
+        b, n = meta.page_tables.shape
+        first = jnp.broadcast_to(jnp.arange(n) == 0, (b, n))
+        keys, values = self._dequantized_pages(layer, meta.page_tables, first, dtype)
+        slot, tag = self._windows(meta)
+        held = self._window_page(layer, slot, tag)
+        g = self.page_size
+
+        def overlay(pages: jax.Array, window: jax.Array) -> jax.Array:
+            # pages [B, n, K, G, D], window [B, K, G, D] -> [B, K, n * G, D]
+            index = jnp.arange(n)[None, :, None, None, None]
+            pages = jnp.where(index == held[:, None, None, None, None],
+                              window[:, None].astype(dtype), pages)
+            _, _, k, _, d = pages.shape
+            return pages.transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, d)
+
+        return (overlay(keys, self._read_window(self.k_window[layer], slot)),
+                overlay(values, self._read_window(self.v_window[layer], slot)))
+
+    def _write_kivi(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
+                    ) -> "PagedKVCache":
+        """Writes the new tokens of each row with the whole pages they touch: each page is
+        quantized again from its exact values (the window's, for the tokens before this write
+        in its first page; the page's own, dequantized, when the window no longer holds it,
+        as after a rollback past a page boundary), and the last page touched goes to the
+        window. So a page's keys are quantized per channel over every token it holds, exactly
+        once its last token is written."""
+        g = self.page_size
+        b, t = meta.positions.shape
+        width = meta.page_tables.shape[1]
+        span = -(-t // g) + 1  # pages a write of t tokens can touch
+        starts, ends = meta.starts, meta.lengths
+        first_page = starts // g
+        offset = starts % g
+        slot, tag = self._windows(meta)
+        index = first_page[:, None] + jnp.arange(span)[None, :]  # [B, span] page indices
+        inside = (index < width) & (meta.q_lens[:, None] > 0) & (index <= (ends[:, None] - 1) // g)
+        page_ids = jnp.take_along_axis(meta.page_tables, jnp.clip(index, 0, width - 1), axis=1)
+
+        # The exact tokens before the write in its first page: the window's when it holds that
+        # page, else the page dequantized.
+        head = page_ids[:, :1]
+        old_k, old_v = self._dequantized_pages(layer, head, first_page[:, None] == 0, jnp.float32)
+        held = self._window_page(layer, slot, tag) == first_page
+        window = lambda pool, old: jnp.where(held[:, None, None, None],
+                                             self._read_window(pool, slot), old[:, 0])
+        prior_k = window(self.k_window[layer], old_k)  # [B, K, G, D]
+        prior_v = window(self.v_window[layer], old_v)
+
+        def buffer(new: jax.Array, prior: jax.Array) -> jax.Array:
+            # [B, span, K, G, D]: buffer slot j is position first_page * g + j.
+            j = jnp.arange(span * g)[None, :]
+            source = jnp.clip(j - offset[:, None], 0, t - 1)
+            fresh = jnp.take_along_axis(new.astype(jnp.float32), source[:, :, None, None], axis=1)
+            is_new = (j >= offset[:, None]) & (j < offset[:, None] + meta.q_lens[:, None])
+            before = jnp.pad(prior.transpose(0, 2, 1, 3), ((0, 0), (0, (span - 1) * g),
+                                                           (0, 0), (0, 0)))
+            out = jnp.where(is_new[:, :, None, None], fresh,
+                            jnp.where((j < offset[:, None])[:, :, None, None], before, 0.0))
+            return out.reshape(b, span, g, *new.shape[2:]).transpose(0, 1, 3, 2, 4)
+
+        keys, values = buffer(k, prior_k), buffer(v, prior_v)
+        k_data, k_codes = kivi.quantize_key_pages(keys.reshape(b * span, *keys.shape[2:]),
+                                                  (index == 0).reshape(-1))
+        v_data, v_codes = kivi.quantize_values(values.reshape(b * span, *values.shape[2:]))
+        dest = jnp.where(inside, page_ids, self.num_pages).reshape(-1)
+        put = lambda pool, new: pool.at[dest].set(new, mode="drop")
+
+        # The window takes the last page touched.
+        last = jnp.clip((ends - 1) // g - first_page, 0, span - 1)
+        pick = lambda x: jnp.take_along_axis(x, last[:, None, None, None, None], axis=1)[:, 0]
+        bf16 = lambda x: kv_quant.to_bits(x.astype(jnp.bfloat16), self.k_window[layer].dtype)
+        wslot = jnp.where(meta.q_lens > 0, slot, self.k_window[layer].shape[0])
+        new_tags = jnp.stack([tag, first_page + last], axis=1)
+        replace = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]
+        return dataclasses.replace(
+            self, k=replace(self.k, put(self.k[layer], k_data)),
+            v=replace(self.v, put(self.v[layer], v_data)),
+            k_scales=replace(self.k_scales, put(self.k_scales[layer], k_codes)),
+            v_scales=replace(self.v_scales, put(self.v_scales[layer], v_codes)),
+            k_window=replace(self.k_window, self.k_window[layer].at[wslot].set(
+                bf16(pick(keys)), mode="drop")),
+            v_window=replace(self.v_window, self.v_window[layer].at[wslot].set(
+                bf16(pick(values)), mode="drop")),
+            window_tags=replace(self.window_tags, self.window_tags[layer].at[wslot].set(
+                new_tags, mode="drop")))
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
                 dtype: jnp.dtype) -> jax.Array:

@@ -35,7 +35,7 @@ from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
-from kernels_pallas.kv_quant import resolve_kv_format
+from kernels_pallas.kv_quant import PAGE_FORMATS, resolve_kv_format
 
 Callback = Callable[[RequestOutput], None]
 
@@ -92,10 +92,13 @@ class Engine:
         kv_format = config.kv_cache_dtype
         if kv_format == "auto":
             kv_format = jnp.dtype(model.embed[...].dtype).name
-        kv_format = resolve_kv_format(kv_format)  # one name per format: "fp8" is e4m3
+        kv_format = resolve_kv_format(kv_format, page_formats=True)  # "fp8" is e4m3
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=kv_format)
-        self.allocator = PageAllocator(num_pages, config.page_size)
+        # int4_kivi keeps a window per sequence holding pages: at most max_num_seqs at once.
+        self.allocator = PageAllocator(
+            num_pages, config.page_size,
+            num_windows=config.max_num_seqs if kv_format in PAGE_FORMATS else 0)
         self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,

@@ -31,6 +31,7 @@ from infer.engine.metrics import StepTimes
 from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
 from infer.engine.request import TokenLogprob
 from infer.model.llama import Llama
+from kernels_pallas.kv_quant import PAGE_FORMATS
 from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
 from infer.sampling_params import is_integer
@@ -110,6 +111,12 @@ class Shape:
                 f"{self.width}-page tables" + "".join(f", with {e}" for e in extras))
 
 
+def _windows(config: RunnerConfig) -> int:
+    """Window slots of the cache: one per sequence the engine runs at once, for the formats
+    that keep one (the engine's allocator hands out as many)."""
+    return config.max_num_seqs if config.kv_format in PAGE_FORMATS else 0
+
+
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
                  proposer: "Proposer | None" = None, mesh: jax.sharding.Mesh | None = None
@@ -133,7 +140,8 @@ class Runner:
         c = model.config
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
-                                         config.attention_backend, mesh=mesh)
+                                         config.attention_backend, mesh=mesh,
+                                         num_windows=_windows(config))
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -177,7 +185,8 @@ class Runner:
         `tokens` then."""
         b, t = tokens.shape
         meta = paged_metadata([s.pages for s in seqs], b, width, cached, q_lens, t,
-                              names=[s.label for s in seqs])
+                              names=[s.label for s in seqs],
+                              with_windows=bool(_windows(self.config)))
         if feed is not None and feed.shape != (b,):
             raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
         tok = feed if feed is not None else jax.device_put(tokens[:, 0] if t == 1 else tokens)
@@ -277,10 +286,12 @@ class Runner:
         chunk_meta = paged_metadata([s.pages for s in chunk_seqs], 1, width,
                                     np.array([chunk.start if chunk else 0], np.int32),
                                     np.array([len(ids)], np.int32), t,
-                                    names=[s.label for s in chunk_seqs])
+                                    names=[s.label for s in chunk_seqs],
+                                    with_windows=bool(_windows(self.config)))
         decode_tokens, cached, q_lens, decode_index = self._decode_rows(seqs, rows)
         decode_meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, 1,
-                                     names=[s.label for s in seqs])
+                                     names=[s.label for s in seqs],
+                                     with_windows=bool(_windows(self.config)))
         tokens = np.zeros(t + rows, np.int32)
         tokens[:len(ids)], tokens[t:] = ids, decode_tokens
         logit_index = np.concatenate([[max(len(ids) - 1, 0)], t + np.arange(rows)])

@@ -103,8 +103,10 @@ def decode_stream(model: Llama | DeviceSteps, prompts: Sequence[Sequence[int]],
         order = np.random.default_rng(paged.seed).permutation(batch * per_row).tolist()
         pages = [SequencePages(g, order[row * per_row:(row + 1) * per_row])
                  for row in range(batch)]
+        # Row b is one sequence throughout: its window, for formats that keep one, is slot b.
         cache = PagedKVCache.create(config.num_layers, batch * per_row, g, config.num_kv_heads,
-                                    config.head_dim, paged.kv_format, paged.backend)
+                                    config.head_dim, paged.kv_format, paged.backend,
+                                    num_windows=batch)
 
     def tables_for(window: int) -> jax.Array | None:
         return None if pages is None else jnp.asarray(

@@ -292,7 +292,8 @@ class _ModelProposer:
             t = bucket_for(end - track.valid, self.config.prefill_buckets)
             width = self.config.window_for(max(end, seq.pages.capacity))
             meta = paged_metadata([seq.pages], 1, width, np.array([track.valid], np.int32),
-                                  np.array([end - track.valid], np.int32), t, names=[seq.label])
+                                  np.array([end - track.valid], np.int32), t, names=[seq.label],
+                                  with_windows=False)  # the proposer's cache keeps none
             self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
                                        meta)
             track.valid = end
@@ -314,7 +315,7 @@ class _ModelProposer:
             track.valid = end
         write_ends = cached + q_lens + np.maximum(limits - 1, 0)
         meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, w, rows_of,
-                              write_ends, names=[s.label for s in seqs])
+                              write_ends, names=[s.label for s in seqs], with_windows=False)
         return (*[jax.device_put(b) for b in row_inputs], meta)
 
     # -- warm-up --------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.kv_quant import check_kv_format, scale_groups, storage_dtype, stored_head_dim
+from kernels_pallas.kv_quant import (PAGE_FORMATS, check_kv_format, resolve_kv_format, scale_groups,
+                                     storage_dtype, stored_head_dim)
 from kernels_pallas.paged_attention.gpu import call_gpu
 from kernels_pallas.paged_attention.tpu import call_tpu
 
@@ -108,6 +109,17 @@ def _check_backend_limits(backend: str, k_pages: jax.Array) -> None:
                                       f"(k_pages {k_pages.shape})")
 
 
+def check_kernel_format(kv_format: str) -> None:
+    """Refuses, naming why, the formats the paged cache alone lays out (`kv_quant.PAGE_FORMATS`):
+    their pages are not a per-vector format the kernels' dequantization reads."""
+    name = resolve_kv_format(kv_format, page_formats=True)
+    if name in PAGE_FORMATS:
+        raise UnsupportedKernelConfig(
+            f"{name} is laid out per page (keys quantized per channel over a page, each "
+            "sequence's filling page in a bfloat16 window), which the kernels do not implement; "
+            "the cache reads it with attention_backend='reference'")
+
+
 def _concrete(x) -> np.ndarray | None:
     """Host values of x, or None under tracing (then only shapes are checked)."""
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
@@ -116,6 +128,7 @@ def _concrete(x) -> np.ndarray | None:
 def _validate(q_shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scales, kv_format,
               pages_per_block, num_splits) -> None:
     """Shape/dtype checks shared by decode and prefill; q_shape is (B, ..., H, D)."""
+    check_kernel_format(kv_format)
     check_kv_format(kv_format)
     B, H, D = q_shape[0], q_shape[-2], q_shape[-1]
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:

@@ -21,9 +21,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kv_quant import (SCALE_DTYPE, SUPPORTED_KV_FORMATS, scale_groups, storage_dtype,
-                                     stored_head_dim)
-from kernels_pallas.paged_attention.api import (UnsupportedKernelConfig, paged_attention,
+from kernels_pallas.kv_quant import (PAGE_FORMATS, SCALE_DTYPE, SUPPORTED_KV_FORMATS, scale_groups,
+                                     storage_dtype, stored_head_dim)
+from kernels_pallas.paged_attention.api import (UnsupportedKernelConfig, check_kernel_format,
+                                                paged_attention,
                                                 paged_prefill_attention, ragged_paged_attention)
 
 PLATFORMS: tuple[str, ...] = ("tpu", "cuda")
@@ -117,6 +118,7 @@ def lower(platform: str, kv_format: str, kind: StepKind, geometry: Geometry, *, 
     Raises UnsupportedKernelConfig where the entry point refuses the configuration."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    check_kernel_format(kv_format)  # as every entry point does, before its arrays exist
     args = _abstract_args(kind, geometry, kv_format, batch, page_size, max_pages, num_pages)
     entry = paged_attention if kind.tokens == 1 else paged_prefill_attention
     static = dict(kv_format=kv_format, backend=_BACKEND[platform], interpret=False)
@@ -151,7 +153,7 @@ def lower_cell(platform: str, kv_format: str, kind: StepKind, geometry: Geometry
 
 
 def lowering_matrix(platforms: tuple[str, ...] = PLATFORMS,
-                    kv_formats: tuple[str, ...] = SUPPORTED_KV_FORMATS,
+                    kv_formats: tuple[str, ...] = SUPPORTED_KV_FORMATS + PAGE_FORMATS,
                     kinds: tuple[StepKind, ...] = STEP_KINDS,
                     geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[Cell]:
     """Every (platform, format, step kind, geometry) cell, lowered."""

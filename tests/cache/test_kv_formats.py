@@ -80,8 +80,8 @@ def test_rotation_on_an_odd_head_dim_fails_when_the_cache_is_created(d: int) -> 
 @pytest.mark.parametrize("alias", sorted(kv_quant.KV_FORMAT_ALIASES))
 def test_alias_reaches_the_cache_as_its_canonical_format(alias: str) -> None:
     name = kv_quant.KV_FORMAT_ALIASES[alias]
-    cache = PagedKVCache.create(1, 2, 4, 1, 16, alias)
-    want = PagedKVCache.create(1, 2, 4, 1, 16, name)
+    cache = PagedKVCache.create(1, 2, 4, 1, 16, alias, num_windows=1)
+    want = PagedKVCache.create(1, 2, 4, 1, 16, name, num_windows=1)
     assert cache.kv_format == name and cache.rotate == want.rotate
     assert cache.num_bytes == want.num_bytes
 
@@ -96,10 +96,11 @@ def test_engine_accepts_the_fp8_alias() -> None:
 
 def test_memory_accounting_and_the_cache_share_one_alias_table() -> None:
     """Every name memory accounting takes, the cache takes with the same meaning, and back."""
-    names = set(kv_quant.SUPPORTED_KV_FORMATS) | set(kv_quant.KV_FORMAT_ALIASES)
-    names |= set(getattr(memory, "KV_FORMAT_ALIASES", {}))
+    names = set(kv_quant.SUPPORTED_KV_FORMATS + kv_quant.PAGE_FORMATS)
+    names |= set(kv_quant.KV_FORMAT_ALIASES) | set(getattr(memory, "KV_FORMAT_ALIASES", {}))
     for name in sorted(names):
-        assert memory.kv_format_name(name) == kv_quant.resolve_kv_format(name), name
+        assert memory.kv_format_name(name) == kv_quant.resolve_kv_format(
+            name, page_formats=True), name
     for bad in ("fp4", "float64", "FP8"):
         for resolve in (memory.kv_format_name, kv_quant.resolve_kv_format):
             with pytest.raises(ValueError, match="unsupported"):

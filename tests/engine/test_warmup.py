@@ -77,6 +77,11 @@ CASES = {
     "ngram_k15": dict(min_window=32, speculative=("ngram", 15), enable_prefix_caching=True),
     "self_draft": dict(speculative=("self_draft", 3), enable_prefix_caching=True),
     "eagle": dict(speculative=("eagle", 3), enable_prefix_caching=True),
+    # Its metadata carries window slots: the warm-up's empty steps must carry them too.
+    "int4_kivi": dict(min_window=32, kv_cache_dtype="int4_kivi", mixed_steps=True,
+                      enable_prefix_caching=True),
+    "int4_kivi_ngram": dict(min_window=32, kv_cache_dtype="int4_kivi", speculative=("ngram", 3),
+                            enable_prefix_caching=True),
 }
 
 

@@ -8,7 +8,7 @@ naming the constraint; a lowering crash fails the test.
 
 import pytest
 
-from kernels_pallas.kv_quant import SUPPORTED_KV_FORMATS
+from kernels_pallas.kv_quant import PAGE_FORMATS, SUPPORTED_KV_FORMATS
 from kernels_pallas.paged_attention import lowering
 from kernels_pallas.paged_attention.api import UnsupportedKernelConfig
 
@@ -17,11 +17,12 @@ KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "xla.gpu.triton"}
 
 
 def refused_on_purpose(kv_format: str, geometry: lowering.Geometry) -> bool:
-    """int4 packs groups of 32 along the head dim, which 80 is not a multiple of."""
-    return kv_format == "int4" and geometry.head_dim % 32 != 0
+    """int4 packs groups of 32 along the head dim, which 80 is not a multiple of; int4_kivi is
+    the paged cache's own layout, which no kernel reads."""
+    return kv_format in PAGE_FORMATS or (kv_format == "int4" and geometry.head_dim % 32 != 0)
 
 
-@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS)
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS + PAGE_FORMATS)
 @pytest.mark.parametrize("platform", lowering.PLATFORMS)
 def test_every_cell_lowers_or_is_refused(platform: str, kv_format: str) -> None:
     cells = lowering.lowering_matrix(platforms=(platform,), kv_formats=(kv_format,))
@@ -32,7 +33,9 @@ def test_every_cell_lowers_or_is_refused(platform: str, kv_format: str) -> None:
         assert cell.outcome != "fails", where
         want = "refused" if refused_on_purpose(kv_format, by_geometry[cell.geometry]) else "lowers"
         assert cell.outcome == want, where
-        if cell.outcome == "refused":
+        if cell.outcome == "refused" and kv_format in PAGE_FORMATS:
+            assert "attention_backend='reference'" in cell.detail, where
+        elif cell.outcome == "refused":
             assert "head dim" in cell.detail and "D=80" in cell.detail, where
 
 
