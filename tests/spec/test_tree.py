@@ -483,7 +483,7 @@ def test_sampled_dynamic_tree_keeps_the_joint_law(oracle, speculators) -> None:
     spec = speculators("oracle", 3, 3, 10)
     counts = collections.Counter(
         tuple(tree_generate(spec, PROMPT, 3, SamplingParams(seed=seed, **params))[0])
-        for seed in range(900))
+        for seed in range(600))
     assert chi_square_pvalue(counts, law) > 1e-3
 
 
