@@ -187,6 +187,17 @@ def test_engine_tokens_match_one_device(grouped, one_device_tokens, parallel):
     assert _sampled(llm, prompts) == expected
 
 
+def test_int4_kivi_windows_split_over_heads_give_one_device_tokens(grouped):
+    """int4_kivi's windows are split over kv heads with the pages: TP = 3 gives the tokens one
+    device gives with the same format."""
+    prompts = _prompts(2)
+    kivi = dict(ENGINE, kv_cache_dtype="int4_kivi", page_size=8)
+    one = _sampled(LLM.from_loaded(GROUPED, grouped, None, **kivi), prompts, max_tokens=12)
+    llm = LLM.from_loaded(GROUPED, grouped, None, tensor_parallel_size=3, **kivi)
+    assert llm.engine.runner.cache.k_window[0].sharding.spec[1] == "model"
+    assert _sampled(llm, prompts, max_tokens=12) == one
+
+
 def test_no_compilation_after_warmup_with_a_mesh(grouped):
     llm = LLM.from_loaded(GROUPED, grouped, None, tensor_parallel_size=3, **ENGINE)
     llm.engine.warmup()
