@@ -77,8 +77,7 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
 
     from experiments.common import ResultLog, markdown_table, plot_path
     from experiments.workloads import HELD_OUT, consecutive_prompts, text_ids
-    from infer.cache import kivi
-    from infer.cache.budget import kv_bytes_per_token
+    from infer.cache.budget import kv_bytes_per_sequence, kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import PagedLayout, decode_stream
     from infer.io.loader import load
@@ -111,9 +110,7 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
                                                             include_scales=False,
                                                             page_size=page_size),
             # Held per sequence beside the pages (int4_kivi's bfloat16 window).
-            "bytes_per_sequence": (config.num_layers * config.num_kv_heads *
-                                   kivi.window_bytes(config.head_dim, page_size)
-                                   if kv_format == kivi.KIVI_FORMAT else 0),
+            "bytes_per_sequence": kv_bytes_per_sequence(config, kv_format, page_size),
         }
 
     for kv_format in tqdm(formats, desc="quality"):

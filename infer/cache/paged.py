@@ -444,6 +444,14 @@ def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
+def window_slots(kv_format: str, max_sequences: int) -> int:
+    """Window slots a cache of `kv_format` needs when at most `max_sequences` sequences hold
+    pages at once (the allocator's `num_windows` and the cache's): one each for int4_kivi, which
+    keeps each sequence's filling page in a window, none for every other format."""
+    name = kv_quant.resolve_kv_format(kv_format, page_formats=True)
+    return max_sequences if name == kivi.KIVI_FORMAT else 0
+
+
 def copy_pages(cache: PagedKVCache, src: list[int], dst: list[int]) -> PagedKVCache:
     """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write of shared pages).
     The cache is donated. Lists are padded to a power of two with dropped copies, so a run

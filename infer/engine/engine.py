@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from infer.cache.page_allocator import PageAllocator
+from infer.cache.paged import window_slots
 from infer.cache.prefix_cache import PrefixCache
 from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord, StepTimes
@@ -35,7 +36,7 @@ from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
-from kernels_pallas.kv_quant import PAGE_FORMATS, resolve_kv_format
+from kernels_pallas.kv_quant import resolve_kv_format
 
 Callback = Callable[[RequestOutput], None]
 
@@ -95,10 +96,8 @@ class Engine:
         kv_format = resolve_kv_format(kv_format, page_formats=True)  # "fp8" is e4m3
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=kv_format)
-        # int4_kivi keeps a window per sequence holding pages: at most max_num_seqs at once.
-        self.allocator = PageAllocator(
-            num_pages, config.page_size,
-            num_windows=config.max_num_seqs if kv_format in PAGE_FORMATS else 0)
+        self.allocator = PageAllocator(num_pages, config.page_size,
+                                       num_windows=window_slots(kv_format, config.max_num_seqs))
         self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,

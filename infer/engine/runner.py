@@ -24,14 +24,13 @@ import jax
 import numpy as np
 
 from infer.cache.metadata import MixedMetadata, paged_metadata
-from infer.cache.paged import PagedKVCache, copy_pages
+from infer.cache.paged import PagedKVCache, copy_pages, window_slots
 from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.metrics import StepTimes
 from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
 from infer.engine.request import TokenLogprob
 from infer.model.llama import Llama
-from kernels_pallas.kv_quant import PAGE_FORMATS
 from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
 from infer.sampling_params import is_integer
@@ -111,12 +110,6 @@ class Shape:
                 f"{self.width}-page tables" + "".join(f", with {e}" for e in extras))
 
 
-def _windows(config: RunnerConfig) -> int:
-    """Window slots of the cache: one per sequence the engine runs at once, for the formats
-    that keep one (the engine's allocator hands out as many)."""
-    return config.max_num_seqs if config.kv_format in PAGE_FORMATS else 0
-
-
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
                  proposer: "Proposer | None" = None, mesh: jax.sharding.Mesh | None = None
@@ -141,7 +134,14 @@ class Runner:
         self.cache = PagedKVCache.create(c.num_layers, config.num_pages, config.page_size,
                                          c.num_kv_heads, c.head_dim, config.kv_format,
                                          config.attention_backend, mesh=mesh,
-                                         num_windows=_windows(config))
+                                         num_windows=window_slots(config.kv_format,
+                                                                  config.max_num_seqs))
+
+    @property
+    def _with_windows(self) -> bool:
+        """Whether step metadata carries window slots: when the cache keeps windows, on every
+        step, warm-up's empty ones included, so that each shape compiles once."""
+        return self.cache.window_tags is not None
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class Runner:
         b, t = tokens.shape
         meta = paged_metadata([s.pages for s in seqs], b, width, cached, q_lens, t,
                               names=[s.label for s in seqs],
-                              with_windows=bool(_windows(self.config)))
+                              with_windows=self._with_windows)
         if feed is not None and feed.shape != (b,):
             raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
         tok = feed if feed is not None else jax.device_put(tokens[:, 0] if t == 1 else tokens)
@@ -287,11 +287,11 @@ class Runner:
                                     np.array([chunk.start if chunk else 0], np.int32),
                                     np.array([len(ids)], np.int32), t,
                                     names=[s.label for s in chunk_seqs],
-                                    with_windows=bool(_windows(self.config)))
+                                    with_windows=self._with_windows)
         decode_tokens, cached, q_lens, decode_index = self._decode_rows(seqs, rows)
         decode_meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, 1,
                                      names=[s.label for s in seqs],
-                                     with_windows=bool(_windows(self.config)))
+                                     with_windows=self._with_windows)
         tokens = np.zeros(t + rows, np.int32)
         tokens[:len(ids)], tokens[t:] = ids, decode_tokens
         logit_index = np.concatenate([[max(len(ids) - 1, 0)], t + np.arange(rows)])
