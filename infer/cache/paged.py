@@ -44,8 +44,9 @@ class PagedKVCache:
     v: tuple[jax.Array, ...]
     k_scales: tuple[jax.Array, ...] | None  # L x [P, K, G, groups] for scaled formats
     v_scales: tuple[jax.Array, ...] | None
-    # int4_kivi only (`infer.cache.kivi`): L x [R, K, G, D] bfloat16 keys and values of each of R
-    # sequences' filling page, and L x [R, 2] int32 (sequence tag, page index) of what each holds
+    # int4_kivi only (`infer.cache.kivi`): L x [R * W, K, G, D] bfloat16 keys and values of each
+    # of R sequences' newest W = kivi.WINDOW_PAGES pages (window slot s, page j at ring entry
+    # s * W + j % W), and L x [R * W, 2] int32 (sequence tag, page index) of what each entry holds
     k_window: tuple[jax.Array, ...] | None = None
     v_window: tuple[jax.Array, ...] | None = None
     window_tags: tuple[jax.Array, ...] | None = None
@@ -123,9 +124,10 @@ class PagedKVCache:
         zeros = lambda shape, dtype: tuple(jnp.zeros(shape, dtype, device=device)
                                            for _ in range(num_layers))
         page = (num_pages, num_kv_heads, page_size)
-        window = (num_windows, num_kv_heads, page_size, head_dim)
+        entries = num_windows * kivi.WINDOW_PAGES
+        window = (entries, num_kv_heads, page_size, head_dim)
         bf16 = kv_quant.bits_dtype(jnp.bfloat16)
-        tags = tuple(jnp.full((num_windows, 2), -1, jnp.int32) for _ in range(num_layers))
+        tags = tuple(jnp.full((entries, 2), -1, jnp.int32) for _ in range(num_layers))
         if rotate is None:
             rotate = True
         if rotate:
@@ -296,15 +298,21 @@ class PagedKVCache:
         rows = jnp.arange(meta.positions.shape[0], dtype=jnp.int32)
         return rows, -2 - rows  # never a tag the allocator gives (those are >= 0)
 
-    def _window_page(self, layer: int, slot: jax.Array, tag: jax.Array) -> jax.Array:
-        """[B] page index whose exact keys and values row b's window holds; -1 when it holds
-        none of this sequence's (another sequence's, or no window slot at all)."""
-        tags = jnp.take(self.window_tags[layer], slot, axis=0, mode="fill", fill_value=-1)
-        return jnp.where(tags[:, 0] == tag, tags[:, 1], -1)
+    def _ring(self, slot: jax.Array) -> jax.Array:
+        """[B, W] ring entries of window slots [B] (entries past the pool for slots past it)."""
+        w = kivi.WINDOW_PAGES
+        return slot[:, None] * w + jnp.arange(w, dtype=slot.dtype)[None, :]
+
+    def _window_pages(self, layer: int, slot: jax.Array, tag: jax.Array) -> jax.Array:
+        """[B, W] page index whose exact keys and values each ring entry of row b's window holds;
+        -1 where it holds none of this sequence's (another sequence's, or no window slot)."""
+        tags = jnp.take(self.window_tags[layer], self._ring(slot), axis=0, mode="fill",
+                        fill_value=-1)
+        return jnp.where(tags[..., 0] == tag[:, None], tags[..., 1], -1)
 
     def _read_window(self, pool: jax.Array, slot: jax.Array) -> jax.Array:
-        """Row b's window [B, K, G, D] as float32 (zeros past the slots)."""
-        bits = jnp.take(pool, slot, axis=0, mode="fill", fill_value=0)
+        """Row b's ring [B, W, K, G, D] as float32 (zeros past the slots)."""
+        bits = jnp.take(pool, self._ring(slot), axis=0, mode="fill", fill_value=0)
         return kv_quant.from_bits(bits, jnp.bfloat16).astype(jnp.float32)
 
     def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array,
@@ -325,14 +333,15 @@ class PagedKVCache:
         first = jnp.broadcast_to(jnp.arange(n) == 0, (b, n))
         keys, values = self._dequantized_pages(layer, meta.page_tables, first, dtype)
         slot, tag = self._windows(meta)
-        held = self._window_page(layer, slot, tag)
+        held = self._window_pages(layer, slot, tag)  # [B, W]
         g = self.page_size
 
         def overlay(pages: jax.Array, window: jax.Array) -> jax.Array:
-            # pages [B, n, K, G, D], window [B, K, G, D] -> [B, K, n * G, D]
+            # pages [B, n, K, G, D], window [B, W, K, G, D] -> [B, K, n * G, D]
             index = jnp.arange(n)[None, :, None, None, None]
-            pages = jnp.where(index == held[:, None, None, None, None],
-                              window[:, None].astype(dtype), pages)
+            for entry in range(kivi.WINDOW_PAGES):
+                pages = jnp.where(index == held[:, entry, None, None, None, None],
+                                  window[:, entry, None].astype(dtype), pages)
             _, _, k, _, d = pages.shape
             return pages.transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, d)
 
@@ -344,9 +353,9 @@ class PagedKVCache:
         """Writes the new tokens of each row with the whole pages they touch: each page is
         quantized again from its exact values (the window's, for the tokens before this write
         in its first page; the page's own, dequantized, when the window no longer holds it,
-        as after a rollback past a page boundary), and the last page touched goes to the
-        window. So a page's keys are quantized per channel over every token it holds, exactly
-        once its last token is written."""
+        as after a rollback past both pages it holds), and the last W pages touched go to the
+        window's ring. So a page's keys are quantized per channel over every token it holds,
+        exactly, once its last token is written."""
         g = self.page_size
         b, t = meta.positions.shape
         width = meta.page_tables.shape[1]
@@ -363,9 +372,14 @@ class PagedKVCache:
         # page, else the page dequantized.
         head = page_ids[:, :1]
         old_k, old_v = self._dequantized_pages(layer, head, first_page[:, None] == 0, jnp.float32)
-        held = self._window_page(layer, slot, tag) == first_page
-        window = lambda pool, old: jnp.where(held[:, None, None, None],
-                                             self._read_window(pool, slot), old[:, 0])
+        w = kivi.WINDOW_PAGES
+        entry = first_page % w
+        held = jnp.take_along_axis(self._window_pages(layer, slot, tag), entry[:, None],
+                                   axis=1)[:, 0] == first_page
+        window = lambda pool, old: jnp.where(
+            held[:, None, None, None],
+            jnp.take_along_axis(self._read_window(pool, slot),
+                                entry[:, None, None, None, None], axis=1)[:, 0], old[:, 0])
         prior_k = window(self.k_window[layer], old_k)  # [B, K, G, D]
         prior_v = window(self.v_window[layer], old_v)
 
@@ -388,24 +402,31 @@ class PagedKVCache:
         dest = jnp.where(inside, page_ids, self.num_pages).reshape(-1)
         put = lambda pool, new: pool.at[dest].set(new, mode="drop")
 
-        # The window takes the last page touched.
+        # The ring takes the last W pages touched (fewer when the write touched fewer; the
+        # entries it did not touch keep the earlier pages they hold).
         last = jnp.clip((ends - 1) // g - first_page, 0, span - 1)
-        pick = lambda x: jnp.take_along_axis(x, last[:, None, None, None, None], axis=1)[:, 0]
+        back = jnp.arange(w)[None, :]
+        touched = last[:, None] - back  # [B, W] buffer indices of the newest pages touched
+        page_index = first_page[:, None] + touched
+        entries = jnp.where((touched >= 0) & (meta.q_lens[:, None] > 0),
+                            slot[:, None] * w + page_index % w, self.k_window[layer].shape[0])
+        pick = lambda x: jnp.take_along_axis(
+            x, jnp.clip(touched, 0)[:, :, None, None, None], axis=1)
         bf16 = lambda x: kv_quant.to_bits(x.astype(jnp.bfloat16), self.k_window[layer].dtype)
-        wslot = jnp.where(meta.q_lens > 0, slot, self.k_window[layer].shape[0])
-        new_tags = jnp.stack([tag, first_page + last], axis=1)
+        to_ring = lambda pool, x: pool.at[entries.reshape(-1)].set(
+            bf16(pick(x)).reshape(-1, *pool.shape[1:]), mode="drop")
+        new_tags = jnp.stack([jnp.broadcast_to(tag[:, None], page_index.shape), page_index],
+                             axis=-1).reshape(-1, 2)
         replace = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]
         return dataclasses.replace(
             self, k=replace(self.k, put(self.k[layer], k_data)),
             v=replace(self.v, put(self.v[layer], v_data)),
             k_scales=replace(self.k_scales, put(self.k_scales[layer], k_codes)),
             v_scales=replace(self.v_scales, put(self.v_scales[layer], v_codes)),
-            k_window=replace(self.k_window, self.k_window[layer].at[wslot].set(
-                bf16(pick(keys)), mode="drop")),
-            v_window=replace(self.v_window, self.v_window[layer].at[wslot].set(
-                bf16(pick(values)), mode="drop")),
-            window_tags=replace(self.window_tags, self.window_tags[layer].at[wslot].set(
-                new_tags, mode="drop")))
+            k_window=replace(self.k_window, to_ring(self.k_window[layer], keys)),
+            v_window=replace(self.v_window, to_ring(self.v_window[layer], values)),
+            window_tags=replace(self.window_tags, self.window_tags[layer].at[
+                entries.reshape(-1)].set(new_tags, mode="drop")))
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
                 dtype: jnp.dtype) -> jax.Array:

@@ -70,13 +70,15 @@ class _RowModel:
     """What one sequence's positions must read back from the cache: each page holds the
     quantization of the exact values its last write assembled (the window's copy, in bfloat16,
     for the tokens before that write, or the page's own, dequantized, when the window had moved
-    on), and the page the window holds reads back those values in bfloat16."""
+    on), and the pages the window's ring holds (the last two a write touched, page j in entry
+    j % 2, an entry a write did not reach keeping its page) read back those values in
+    bfloat16."""
 
     def __init__(self, g: int, pages: int, k: int, d: int):
         self.g = g
         self.input_k = np.zeros((pages, k, g, d), np.float32)
         self.input_v = np.zeros((pages, k, g, d), np.float32)
-        self.window_page = -1
+        self.ring = [-1] * kivi.WINDOW_PAGES
 
     def _quantized(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         first = jnp.asarray([j == 0])
@@ -86,7 +88,7 @@ class _RowModel:
         return np.asarray(keys[0]), np.asarray(values)
 
     def _read(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        if j == self.window_page:
+        if self.ring[j % len(self.ring)] == j:
             bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
             return bf16(self.input_k[j]), bf16(self.input_v[j])
         return self._quantized(j)
@@ -106,7 +108,8 @@ class _RowModel:
             for p in range(max(start, j * g), min(start + n, (j + 1) * g)):
                 buf_k[:, p % g], buf_v[:, p % g] = k_new[p - start], v_new[p - start]
             self.input_k[j], self.input_v[j] = buf_k, buf_v
-        self.window_page = last
+        for j in range(max(first, last - len(self.ring) + 1), last + 1):
+            self.ring[j % len(self.ring)] = j
 
     def keys_values(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """[K, length, D] keys and values as a query reads them."""
@@ -257,7 +260,8 @@ def test_engine_serves_each_request_as_it_would_alone(tiny_model, seed: int) -> 
 def test_each_engine_sequence_keeps_its_filling_page_in_its_window() -> None:
     """Through the allocator and `paged_metadata`, as the engine builds its steps: after each
     decode step of three sequences (rows in a changing order), every row's window holds its own
-    last page, so none of them reads its filling page quantized."""
+    last two pages (one, until it has two), so none of them reads its filling page or the one
+    before it quantized."""
     from infer.cache.metadata import paged_metadata
 
     g, k, d = 4, 1, 16
@@ -275,6 +279,9 @@ def test_each_engine_sequence_keeps_its_filling_page_in_its_window() -> None:
         x = jnp.asarray(rng.standard_normal((3, 1, k, d)), jnp.float32)
         cache = cache.write(0, x, x, meta)
         slot, tag = cache._windows(meta)
-        np.testing.assert_array_equal(np.asarray(cache._window_page(0, slot, tag)), cached // g)
+        held = np.asarray(cache._window_pages(0, slot, tag))
+        for row, (s, pages) in enumerate(zip(cached // g, held)):
+            want = {s, s - 1} if s >= 1 else {s}
+            assert set(pages) - {-1} == want and (s < 1) == (-1 in pages), (s, pages)
         for s in rows:
             s.mark_computed(s.num_tokens + 1)
