@@ -101,7 +101,7 @@ def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 
 def kv_bytes_per_sequence(config: LlamaConfig, kv_format: str,
                           page_size: int = KIVI_PAGE_SIZE) -> int:
     """Bytes a sequence holds beside its pages, over all layers: int4_kivi's bfloat16 window of
-    its filling page; 0 for every other format."""
+    its two newest pages; 0 for every other format."""
     if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
         return 0
     return config.num_layers * config.num_kv_heads * kivi.window_bytes(config.head_dim,

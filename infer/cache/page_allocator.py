@@ -208,8 +208,8 @@ class PageAllocator:
 
     def fork(self, seq: SequencePages) -> SequencePages:
         """A new sequence sharing every page of `seq` (beam search, parallel sampling). It gets
-        a window of its own at its first reserve: the filling page it shares is then read
-        quantized until it writes the page again."""
+        a window of its own at its first reserve: the pages it shares are then read quantized
+        (the newest ones too, which its parent reads exact) until it writes them again."""
         self._check_seq(seq)
         self.incref(seq.pages)
         return SequencePages(seq.page_size, list(seq.pages), seq.num_tokens)

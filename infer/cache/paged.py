@@ -115,7 +115,7 @@ class PagedKVCache:
                              "only: the Pallas kernels do not implement its per-channel key "
                              "pages or its bfloat16 windows")
         if num_windows < 1:
-            raise ValueError(f"{kivi.KIVI_FORMAT} keeps each sequence's filling page in a "
+            raise ValueError(f"{kivi.KIVI_FORMAT} keeps each sequence's newest pages in a "
                              "bfloat16 window: num_windows must be >= 1 (the most sequences "
                              f"holding pages at once), got {num_windows}")
         device = None
@@ -468,7 +468,7 @@ def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
 def window_slots(kv_format: str, max_sequences: int) -> int:
     """Window slots a cache of `kv_format` needs when at most `max_sequences` sequences hold
     pages at once (the allocator's `num_windows` and the cache's): one each for int4_kivi, which
-    keeps each sequence's filling page in a window, none for every other format."""
+    keeps each sequence's newest pages in a window, none for every other format."""
     name = kv_quant.resolve_kv_format(kv_format, page_formats=True)
     return max_sequences if name == kivi.KIVI_FORMAT else 0
 

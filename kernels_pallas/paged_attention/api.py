@@ -116,7 +116,7 @@ def check_kernel_format(kv_format: str) -> None:
     if name in PAGE_FORMATS:
         raise UnsupportedKernelConfig(
             f"{name} is laid out per page (keys quantized per channel over a page, each "
-            "sequence's filling page in a bfloat16 window), which the kernels do not implement; "
+            "sequence's two newest pages in a bfloat16 window), which the kernels do not implement; "
             "the cache reads it with attention_backend='reference'")
 
 

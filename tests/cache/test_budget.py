@@ -78,7 +78,8 @@ def test_bad_format_raises_naming_it(fmt: str):
 def test_int4_kivi_costs_its_codes_per_token_and_its_window_per_sequence():
     """Llama-3-8B (32 layers, 8 kv heads, D = 128) at pages of 32: a key is 64 data bytes and
     2 * 128 / 32 one-byte codes, a value 64 and 2 * 128 / 32: 144 bytes per head and token, 1/3.56
-    of bfloat16; each sequence also holds a bfloat16 page of K and V per head and layer."""
+    of bfloat16; each sequence also holds two bfloat16 pages of K and V per head and layer (its
+    window's ring)."""
     from infer.cache.budget import kv_bytes_per_sequence
 
     config = get_config("llama-3-8b")
@@ -86,7 +87,7 @@ def test_int4_kivi_costs_its_codes_per_token_and_its_window_per_sequence():
     assert per_token == 32 * 8 * 144 == 36_864
     assert kv_bytes_per_token(config, "bfloat16") / per_token == pytest.approx(3.556, abs=1e-3)
     window = kv_bytes_per_sequence(config, "int4_kivi")
-    assert window == 32 * 8 * 2 * 32 * 128 * 2 and kv_bytes_per_sequence(config, "int4") == 0
+    assert window == 32 * 8 * 2 * 2 * 32 * 128 * 2 and kv_bytes_per_sequence(config, "int4") == 0
     b = memory_budget(config, gpu_memory_gb=80, kv_format="int4_kivi")
     assert b.max_users(2048) == int(b.kv_bytes_available // (2048 * per_token + window))
     assert b.max_users(2048) < b.max_cached_tokens // 2048
