@@ -247,11 +247,12 @@ def _register():
 
     from infer.cache.attention import visibility_mask
     from infer.cache.paged import PagedKVCache
+    from infer.cache.protocol import WriteThenAttend
     from infer.model.llama import apply_rope
 
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass(frozen=True)
-    class FakeQuantCache:
+    class FakeQuantCache(WriteThenAttend):
         """A float32 paged cache whose writes pass keys and values through their schemes; with
         +res, a second one holds them in bfloat16 for the windows still filling."""
         inner: PagedKVCache
@@ -309,7 +310,7 @@ def _register():
 
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass(frozen=True)
-    class QueryRecorder:
+    class QueryRecorder(WriteThenAttend):
         """A cache that hands every query it attends with to `record(layer, q)` on the host
         (calibration only: a callback per layer and step)."""
         inner: PagedKVCache

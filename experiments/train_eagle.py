@@ -79,10 +79,11 @@ def test_time_cache_class():
     import jax.numpy as jnp
 
     from infer.cache import attention
+    from infer.cache.protocol import WriteThenAttend
 
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass(frozen=True)
-    class TestTimeCache:
+    class TestTimeCache(WriteThenAttend):
         """The cache the head sees when it drafts its s-th token, for every position at once
         (training-time test): query i, the draft that started after real rows 0..i, attends
         the first pass's real keys at slots 0..i, the key of each earlier drafted step at its

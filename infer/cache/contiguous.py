@@ -1,8 +1,9 @@
 """KV caches as pytrees, and the per-step attention metadata that says where new tokens go.
 
-Each cache class implements the same two operations, so the model never knows which one it
-holds: `write(layer, k, v, meta)` stores the new tokens' keys and values and returns the new
-cache, `attend(layer, q, meta)` runs attention of the new queries over the cached tokens.
+Each cache class implements the same operations (`infer.cache.protocol`), so the model never
+knows which one it holds: `write(layer, k, v, meta)` stores the new tokens' keys and values and
+returns the new cache, `attend(layer, q, meta)` runs attention of the new queries over the cached
+tokens.
 
 Slots and positions are different things: a token's *slot* is its index in its sequence's cache
 (0, 1, 2, ...), its *position* is what RoPE sees. They coincide except in tree speculation, where
@@ -19,12 +20,13 @@ import jax.numpy as jnp
 
 from infer.cache import attention
 from infer.cache.metadata import AttentionMetadata
+from infer.cache.protocol import WriteThenAttend
 from kernels_pallas import kv_quant
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVCache(WriteThenAttend):
     """Contiguous cache: every sequence owns `max_len` slots; one head-major `[B, K, S, D]` array
     per layer for keys and one for values (logically `[L, B, K, S, D]`).
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 
 from infer.cache import attention, kivi
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
+from infer.cache.protocol import WriteThenAttend
 from infer.model.sharding import BATCH, DEFAULT_RULES, HEAD_DIM, HEADS, KV_HEADS, SEQ, per_shard
 from kernels_pallas import kv_quant
 from kernels_pallas.paged_attention import (paged_attention, paged_prefill_attention,
@@ -39,7 +41,7 @@ PAGE_AXES = (None, KV_HEADS, None, None)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(WriteThenAttend):
     k: tuple[jax.Array, ...]  # L x [P, K, G, Ds]
     v: tuple[jax.Array, ...]
     k_scales: tuple[jax.Array, ...] | None  # L x [P, K, G, groups] for scaled formats
@@ -179,7 +181,7 @@ class PagedKVCache:
             return cache
         meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         if self.kv_format == kivi.KIVI_FORMAT:
-            return self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v, meta)
+            return self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v, meta)[0]
         # One extra update aimed past the pool (and so dropped): with a single token to write,
         # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
         # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
@@ -208,9 +210,33 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
                ) -> jax.Array:
+        return self._attend_rotated(layer, q, meta)
+
+    def write_and_attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                         meta: AttentionMetadata | MixedMetadata
+                         ) -> tuple["PagedKVCache", jax.Array]:
+        """write, then attend; int4_kivi's queries read the pages this write touched as the
+        exact values it quantized them from, not quantized: a prompt chunk attends its own
+        tokens in full precision (KIVI's prefill), and only later steps read what is stored."""
+        if self.kv_format != kivi.KIVI_FORMAT:
+            return super().write_and_attend(layer, q, k, v, meta)
+        if isinstance(meta, MixedMetadata):
+            cache, outs = self, []
+            for q_part, k_part, v_part, part in zip(meta.split(q), meta.split(k), meta.split(v),
+                                                    meta.parts):
+                cache, out = cache.write_and_attend(layer, q_part, k_part, v_part, part)
+                outs.append(out)
+            return cache, meta.packed(outs)
+        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
+        cache, written = self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v,
+                                          meta)
+        return cache, cache._attend_rotated(layer, q, meta, written)
+
+    def _attend_rotated(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata,
+                        written: "_KiviWrite | None" = None) -> jax.Array:
         if self._rotates_keys:
             q = hadamard_rotate(q)
-        out = self._attend(layer, q, meta)
+        out = self._attend(layer, q, meta, written)
         return hadamard_rotate(out, inverse=True) if self.rotate else out
 
     def pages(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
@@ -220,15 +246,15 @@ class PagedKVCache:
         scale = lambda x: None if x is None else kv_quant.from_bits(x[layer], kv_quant.SCALE_DTYPE)
         return data(self.k[layer]), data(self.v[layer]), scale(self.k_scales), scale(self.v_scales)
 
-    def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
-                ) -> jax.Array:
+    def _attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata,
+                written: "_KiviWrite | None" = None) -> jax.Array:
         if isinstance(meta, MixedMetadata):
             if self.backend == "pallas":
                 return self._attend_ragged(layer, q, meta)
             return meta.packed([self._attend(layer, q_part, part)
                                 for q_part, part in zip(meta.split(q), meta.parts)])
         if self.kv_format == kivi.KIVI_FORMAT:
-            k, v = self._gather_kivi(layer, meta, attention.compute_dtype(q.dtype))
+            k, v = self._gather_kivi(layer, meta, attention.compute_dtype(q.dtype), written)
             return attention.masked_attention(q, k, v,
                                               attention.visibility_mask(meta, k.shape[2]))
         pools = self.pages(layer)
@@ -325,10 +351,11 @@ class PagedKVCache:
                                         dtype)
         return keys, values
 
-    def _gather_kivi(self, layer: int, meta: AttentionMetadata, dtype: jnp.dtype
-                     ) -> tuple[jax.Array, jax.Array]:
+    def _gather_kivi(self, layer: int, meta: AttentionMetadata, dtype: jnp.dtype,
+                     written: "_KiviWrite | None" = None) -> tuple[jax.Array, jax.Array]:
         """The row's pages as head-major [B, K, n * G, D] keys and values: dequantized, the
-        page its window holds read from the window instead."""
+        pages its window holds read from the window instead, and the pages `written` touched
+        (when given) as its exact values."""
         b, n = meta.page_tables.shape
         first = jnp.broadcast_to(jnp.arange(n) == 0, (b, n))
         keys, values = self._dequantized_pages(layer, meta.page_tables, first, dtype)
@@ -336,26 +363,34 @@ class PagedKVCache:
         held = self._window_pages(layer, slot, tag)  # [B, W]
         g = self.page_size
 
-        def overlay(pages: jax.Array, window: jax.Array) -> jax.Array:
-            # pages [B, n, K, G, D], window [B, W, K, G, D] -> [B, K, n * G, D]
+        def overlay(pages: jax.Array, window: jax.Array, exact: jax.Array | None) -> jax.Array:
+            # pages [B, n, K, G, D], window [B, W, K, G, D], exact [B, span, K, G, D]
+            # -> [B, K, n * G, D]
             index = jnp.arange(n)[None, :, None, None, None]
             for entry in range(kivi.WINDOW_PAGES):
                 pages = jnp.where(index == held[:, entry, None, None, None, None],
                                   window[:, entry, None].astype(dtype), pages)
+            if exact is not None:
+                at = jnp.where(written.inside, written.page_index, n)  # n: dropped
+                pages = pages.at[jnp.arange(b)[:, None], at].set(exact.astype(dtype),
+                                                                  mode="drop")
             _, _, k, _, d = pages.shape
             return pages.transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, d)
 
-        return (overlay(keys, self._read_window(self.k_window[layer], slot)),
-                overlay(values, self._read_window(self.v_window[layer], slot)))
+        return (overlay(keys, self._read_window(self.k_window[layer], slot),
+                        None if written is None else written.keys),
+                overlay(values, self._read_window(self.v_window[layer], slot),
+                        None if written is None else written.values))
 
     def _write_kivi(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
-                    ) -> "PagedKVCache":
+                    ) -> tuple["PagedKVCache", "_KiviWrite"]:
         """Writes the new tokens of each row with the whole pages they touch: each page is
         quantized again from its exact values (the window's, for the tokens before this write
         in its first page; the page's own, dequantized, when the window no longer holds it,
         as after a rollback past both pages it holds), and the last W pages touched go to the
         window's ring. So a page's keys are quantized per channel over every token it holds,
-        exactly, once its last token is written."""
+        exactly, once its last token is written. Returns the new cache and the exact pages
+        it quantized."""
         g = self.page_size
         b, t = meta.positions.shape
         width = meta.page_tables.shape[1]
@@ -418,6 +453,7 @@ class PagedKVCache:
         new_tags = jnp.stack([jnp.broadcast_to(tag[:, None], page_index.shape), page_index],
                              axis=-1).reshape(-1, 2)
         replace = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]
+        written = _KiviWrite(keys, values, index, inside)
         return dataclasses.replace(
             self, k=replace(self.k, put(self.k[layer], k_data)),
             v=replace(self.v, put(self.v[layer], v_data)),
@@ -426,7 +462,7 @@ class PagedKVCache:
             k_window=replace(self.k_window, to_ring(self.k_window[layer], keys)),
             v_window=replace(self.v_window, to_ring(self.v_window[layer], values)),
             window_tags=replace(self.window_tags, self.window_tags[layer].at[
-                entries.reshape(-1)].set(new_tags, mode="drop")))
+                entries.reshape(-1)].set(new_tags, mode="drop"))), written
 
     def _gather(self, pool: jax.Array, scales: jax.Array | None, page_tables: jax.Array,
                 dtype: jnp.dtype) -> jax.Array:
@@ -439,6 +475,14 @@ class PagedKVCache:
         if scales is not None:
             scales = scales[page_tables].transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, -1)
         return kv_quant.dequantize(data, scales, self.kv_format, dtype)
+
+
+class _KiviWrite(NamedTuple):
+    """The pages an int4_kivi write touched, as the exact values it quantized them from."""
+    keys: jax.Array  # [B, span, K, G, D] float32 (values rotated when the cache rotates)
+    values: jax.Array
+    page_index: jax.Array  # [B, span] index of each in its row's page table
+    inside: jax.Array  # [B, span] bool: the write really touched it
 
 
 @functools.cache

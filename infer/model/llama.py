@@ -1,7 +1,7 @@
 """Llama in Flax NNX: RMSNorm, RoPE (with Llama-3.1 scaling), grouped-query attention, SwiGLU.
 
 The model holds weights only. The KV cache is passed in and returned; where new keys and values
-go and which slots each query reads is the cache's business (see `infer.kv_cache`).
+go and which slots each query reads is the cache's business (`infer.cache.protocol`).
 
 Activations and the residual stream stay in float32; weights may be bfloat16, in which case each
 matmul multiplies bfloat16 inputs with float32 accumulation (`preferred_element_type`), which
@@ -14,7 +14,6 @@ stacked `[L, ...]` weights inside a `scan`, which halved decode bandwidth when m
 from __future__ import annotations
 
 import math
-from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +21,10 @@ import numpy as np
 from flax import nnx
 
 from infer.cache.metadata import AttentionMetadata
+from infer.cache.protocol import CacheT
 from infer.model.config import LlamaConfig
 from infer.model.sharding import (BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
                                   replicate, shard)
-
-CacheT = TypeVar("CacheT", bound="KVCacheLike")
-
-
-class KVCacheLike(Protocol):
-    def write(self: CacheT, layer: int, k: jax.Array, v: jax.Array,
-              meta: AttentionMetadata) -> CacheT: ...
-
-    def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array: ...
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, rngs: nnx.Rngs | None,
@@ -172,8 +163,8 @@ class Attention(nnx.Module):
         v = heads(dense(x, self.v_proj[...], "bte,ef->btf"), self.num_kv_heads)
         q = shard(apply_rope(q, meta.positions, inv_freq), (BATCH, SEQ, HEADS, HEAD_DIM))
         k = apply_rope(k, meta.positions, inv_freq)
-        cache = cache.write(layer, k, v, meta)
-        out = cache.attend(layer, q, meta).reshape(b, t, self.num_heads * self.head_dim)
+        cache, out = cache.write_and_attend(layer, q, k, v, meta)
+        out = out.reshape(b, t, self.num_heads * self.head_dim)
         return dense(out, self.o_proj[...], "btf,fe->bte"), cache
 
 

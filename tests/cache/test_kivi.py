@@ -79,6 +79,7 @@ class _RowModel:
         self.input_k = np.zeros((pages, k, g, d), np.float32)
         self.input_v = np.zeros((pages, k, g, d), np.float32)
         self.ring = [-1] * kivi.WINDOW_PAGES
+        self.just_written: set[int] = set()
 
     def _quantized(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         first = jnp.asarray([j == 0])
@@ -95,6 +96,7 @@ class _RowModel:
 
     def write(self, start: int, k_new: np.ndarray, v_new: np.ndarray) -> None:
         g, n = self.g, len(k_new)
+        self.just_written = set()
         if n == 0:
             return
         first, last = start // g, (start + n - 1) // g
@@ -110,10 +112,14 @@ class _RowModel:
             self.input_k[j], self.input_v[j] = buf_k, buf_v
         for j in range(max(first, last - len(self.ring) + 1), last + 1):
             self.ring[j % len(self.ring)] = j
+        self.just_written = set(range(first, last + 1))
 
-    def keys_values(self, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """[K, length, D] keys and values as a query reads them."""
-        pages = [self._read(j) for j in range(-(-length // self.g))]
+    def keys_values(self, length: int, fused: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """[K, length, D] keys and values as a query reads them; `fused`: as the queries of
+        the last write read them through write_and_attend, the pages it touched exact."""
+        read = lambda j: ((self.input_k[j], self.input_v[j])
+                          if fused and j in self.just_written else self._read(j))
+        pages = [read(j) for j in range(-(-length // self.g))]
         cat = lambda i: np.concatenate([p[i] for p in pages], axis=1)[:, :length]
         return cat(0), cat(1)
 
@@ -134,13 +140,15 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarra
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(seed: int
-                                                                                ) -> None:
+def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
+        seed: int, fused: bool) -> None:
     """Rows of random write lengths (single tokens, chunks across several pages), random
     rollbacks into the last write (rejected speculative tokens), permuted pages, rows writing
     nothing: every attention output matches the host model's, and each row's window serves it
-    alone."""
+    alone. Through write_and_attend (`fused`) a write's own queries read every page it touched
+    as the exact values it quantized them from; a later attend reads them as stored."""
     rng = np.random.default_rng(seed)
     b, k, h, d, g, width = 3, 2, 4, 16, 4, 8
     pages = rng.permutation(b * width + 3)[:b * width].reshape(b, width).astype(np.int32)
@@ -166,8 +174,14 @@ def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
                                              page_tables=jnp.asarray(pages))
         meta = AttentionMetadata(meta.positions, meta.lengths, meta.q_lens, meta.page_tables,
                                  windows=windows)
-        cache = cache.write(0, jnp.asarray(kn), jnp.asarray(vn), meta)
-        out = np.asarray(cache.attend(0, jnp.asarray(q), meta))
+        if fused:
+            cache, out = cache.write_and_attend(0, jnp.asarray(q), jnp.asarray(kn),
+                                                jnp.asarray(vn), meta)
+            later = np.asarray(cache.attend(0, jnp.asarray(q), meta))
+        else:
+            cache = cache.write(0, jnp.asarray(kn), jnp.asarray(vn), meta)
+            out = later = np.asarray(cache.attend(0, jnp.asarray(q), meta))
+        out = np.asarray(out)
         for row in range(b):
             models[row].write(int(start[row]), kn[row, :q_lens[row]], vn[row, :q_lens[row]])
             end = int(start[row] + q_lens[row])
@@ -176,10 +190,12 @@ def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
             length[row] = end
             if q_lens[row] == 0:
                 continue
-            keys, values = models[row].keys_values(end)
-            expected = _attention(q[row, :q_lens[row]], keys, values,
-                                  np.arange(start[row], end), end)
-            np.testing.assert_allclose(out[row, :q_lens[row]], expected, rtol=2e-5, atol=2e-5)
+            positions = np.arange(start[row], end)
+            for got, now in ((out, fused), (later, False)):
+                keys, values = models[row].keys_values(end, fused=now)
+                expected = _attention(q[row, :q_lens[row]], keys, values, positions, end)
+                np.testing.assert_allclose(got[row, :q_lens[row]], expected, rtol=2e-5,
+                                           atol=2e-5)
 
 
 def test_a_window_slot_another_sequence_held_is_read_as_quantized() -> None:
