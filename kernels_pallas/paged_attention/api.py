@@ -55,7 +55,7 @@ def _paged_attention_impl(q, k_pages, v_pages, lengths, q_lens, page_tables, k_s
                         r=r, out_dtype=q.dtype, interpret=interpret)
     else:
         outs = call_gpu(*args, kv_format=kv_format, r=r, out_dtype=q.dtype, interpret=interpret,
-                        splits=num_splits)
+                        splits=num_splits, pages_per_step=pages_per_block)
     out = outs[0] if len(outs) == 1 else jnp.stack(outs, axis=-1).reshape(B, K, T * r, D)
     return jnp.einsum("bktrd->btkrd", out.reshape(B, K, T, r, D)).reshape(B, T, H, D)
 
@@ -217,8 +217,8 @@ def paged_attention(
         else None; groups = kv_quant.scale_groups(D, kv_format).
       kv_format: one of kv_quant.SUPPORTED_KV_FORMATS.
       sm_scale: softmax scale, default 1 / sqrt(D).
-      pages_per_block: pages per grid step of the TPU kernel (the GPU kernel steps one page at a
-        time).
+      pages_per_block: pages per grid step of the TPU kernel, and per loop step of the GPU
+        kernel (at most the pages one of its splits holds).
       num_splits: programs of the GPU kernel that share one sequence's pages, their partial
         softmaxes merged afterwards (flash-decoding), in [1, max_pages]; None picks enough for
         about 256 programs. The TPU kernel does not split.
@@ -286,8 +286,8 @@ def paged_prefill_attention(
         else None; groups = kv_quant.scale_groups(D, kv_format).
       kv_format: one of kv_quant.SUPPORTED_KV_FORMATS.
       sm_scale: softmax scale, default 1 / sqrt(D).
-      pages_per_block: pages per grid step of the TPU kernel (the GPU kernel steps one page at a
-        time).
+      pages_per_block: pages per grid step of the TPU kernel, and per loop step of the GPU
+        kernel (at most the pages one of its splits holds).
       num_splits: as in `paged_attention`.
       backend: "tpu", "gpu" or "auto", as in `paged_attention`.
       interpret: as in `paged_attention`.

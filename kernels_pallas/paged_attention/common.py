@@ -60,15 +60,27 @@ def online_softmax_step(q_planes, k_planes, v_planes, visible, v_ok, m, l, accs,
     q planes [rows, Dp], k/v planes [bk, Dp], visible [rows, bk], v_ok [bk, 1] (position <
     length). Returns updated (m [rows,1], l [rows,1], accs).
     """
-    s = sum(scores(qp, kp, small) for qp, kp in zip(q_planes, k_planes))  # [rows, bk]
-    s = jnp.where(visible, s, MASK)  # where, not add: an unused slot's score may be NaN
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+    return online_softmax_pages(q_planes, [(k_planes, v_planes, visible, v_ok)], m, l, accs,
+                                small)
+
+
+def online_softmax_pages(q_planes, pages, m, l, accs, small=False):
+    """`online_softmax_step` over several blocks at once, each (k planes, v planes, visible,
+    v_ok) as there: one running max and one rescale of the accumulators for all of them. For a
+    kernel that cannot stack its pages into one block (Triton concatenates along the last dim
+    only) but should still take several pages a step."""
+    s = [jnp.where(vis, sum(scores(qp, kp, small) for qp, kp in zip(q_planes, k_planes)), MASK)
+         for k_planes, _, vis, _ in pages]  # where, not add: an unused slot's score may be NaN
+    m_new = m
+    for block in s:
+        m_new = jnp.maximum(m_new, jnp.max(block, axis=1, keepdims=True))
+    p = [jnp.where(vis, jnp.exp(block - m_new), 0.0) for block, (_, _, vis, _) in zip(s, pages)]
     alpha = jnp.exp(m - m_new)
-    l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    l_new = alpha * l + sum(jnp.sum(block, axis=1, keepdims=True) for block in p)
     # Zero values past the length too: p is 0 there, but 0 * NaN is NaN.
-    accs = [alpha * acc + weighted_sum(p, jnp.where(v_ok, vp, 0.0), small)
-            for acc, vp in zip(accs, v_planes)]
+    accs = [alpha * acc + sum(weighted_sum(block, jnp.where(v_ok, v_planes[i], 0.0), small)
+                              for block, (_, v_planes, _, v_ok) in zip(p, pages))
+            for i, acc in enumerate(accs)]
     return m_new, l_new, accs
 
 
@@ -78,4 +90,4 @@ def finalize(acc, l, row_ok):
 
 
 __all__ = ["MASK", "HIGHEST", "visible", "scores", "weighted_sum", "online_softmax_step",
-           "finalize"]
+           "online_softmax_pages", "finalize"]

@@ -113,15 +113,24 @@ def _abstract_args(kind: StepKind, geometry: Geometry, kv_format: str, batch: in
 
 
 def lower(platform: str, kv_format: str, kind: StepKind, geometry: Geometry, *, batch: int = 2,
-          page_size: int = 16, max_pages: int = 8, num_pages: int = 64) -> jax.stages.Lowered:
+          page_size: int = 16, max_pages: int = 8, num_pages: int = 64, pages_per_block: int = 4,
+          gpu_splits: int = 2) -> jax.stages.Lowered:
     """The entry point serving `kind` at `geometry`, lowered for `platform` ("tpu" or "cuda").
-    Raises UnsupportedKernelConfig where the entry point refuses the configuration."""
+    Raises UnsupportedKernelConfig where the entry point refuses the configuration.
+
+    By default each TPU grid step and each step of a GPU program's loop takes 4 pages, and the
+    GPU kernel splits every sequence over 2 programs: the several-pages paths are what lower,
+    not only the one-page ones (the GPU kernel's own default gives small batches one page a
+    program)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     check_kernel_format(kv_format)  # as every entry point does, before its arrays exist
     args = _abstract_args(kind, geometry, kv_format, batch, page_size, max_pages, num_pages)
     entry = paged_attention if kind.tokens == 1 else paged_prefill_attention
-    static = dict(kv_format=kv_format, backend=_BACKEND[platform], interpret=False)
+    static = dict(kv_format=kv_format, backend=_BACKEND[platform], interpret=False,
+                  pages_per_block=pages_per_block)
+    if platform == "cuda":
+        static["num_splits"] = gpu_splits
     if kind.ragged:
         entry, static["max_q_len"] = ragged_paged_attention, kind.tokens
     names = list(args)

@@ -204,18 +204,21 @@ class TestPagedKernels:
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref),
                                    **tolerance(jnp.float32, interpret))
 
+    @pytest.mark.parametrize("pages_per_block", [1, 2, 8])
     @pytest.mark.parametrize("num_splits", [1, 2, 3])
-    def test_gpu_sequence_splits(self, interpret, num_splits):
+    def test_gpu_sequence_splits(self, interpret, num_splits, pages_per_block):
         """Flash-decoding: however the pages are shared among programs (2 splits of 3 pages
-        leave the second with one page, or none for short rows), the merged softmax is the
-        reference's."""
+        leave the second with one page, or none for short rows) and however many pages each
+        loop step takes (a step past the table's end, pages past the length), the merged
+        softmax is the reference's."""
         backend = backend_or_skip("gpu", interpret)
         lengths = [0, 1, 7, 9, 24]
         k, v, ks, vs, table = make_cache(50, "int8", lengths, 8, MAX_PAGES)
         q = jnp.asarray(np.random.default_rng(50).standard_normal((5, K * 3, D)), jnp.float32)
         lens = jnp.asarray(lengths, jnp.int32)
         kw = dict(k_scales=ks, v_scales=vs, kv_format="int8")
-        out = paged_attention(q, k, v, lens, table, **kw, num_splits=num_splits, backend=backend,
+        out = paged_attention(q, k, v, lens, table, **kw, num_splits=num_splits,
+                              pages_per_block=pages_per_block, backend=backend,
                               interpret=interpret)
         ref = paged_attention_reference(q, k, v, lens, table, **kw)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref),
