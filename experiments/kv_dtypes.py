@@ -22,9 +22,9 @@ flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn",
                               "int8", "int4", "int4_kivi"], "KV cache formats", flag_values=FLAGS)
 flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format", flag_values=FLAGS)
 flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring; 1 scores each token as a "
-                     "decode step, as a generated token is (int4_kivi reads a token's own page "
-                     "exactly only while it is filling, so chunks that complete pages read "
-                     "them quantized)", flag_values=FLAGS)
+                     "decode step, as a generated token is (int4_kivi's queries read the pages "
+                     "their own chunk wrote exact, and earlier ones quantized but for the "
+                     "sequence's two newest)", flag_values=FLAGS)
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep", flag_values=FLAGS)
 flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", flag_values=FLAGS)
 flags.DEFINE_integer("page_size", 16, "tokens per page", flag_values=FLAGS)
