@@ -115,33 +115,49 @@ def _decode(q: jax.Array, code: jax.Array, low: jax.Array) -> jax.Array:
     return (q + z) * step_of(code)
 
 
-def quantize_key_pages(keys: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_key_tokens(keys: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Keys [..., D] per token, in groups of page_size channels: page 0's layout, a row per
+    token -> (data [..., D/2], codes [..., 2D/G]), D/G step codes then D/G low codes."""
+    d = keys.shape[-1]
+    grouped = keys.astype(jnp.float32).reshape(*keys.shape[:-1], d // page_size, page_size)
+    q, step, low = _encode(grouped, axis=-1)
+    return _pack(q.reshape(keys.shape)), jnp.concatenate([step, low], axis=-1)
+
+
+def quantize_key_pages(keys: jax.Array, first: jax.Array | bool) -> tuple[jax.Array, jax.Array]:
     """Whole pages of keys [N, K, G, D] -> (data [N, K, G, D/2], codes [N, K, G, 2D/G]); pages
-    where first [N] is true per token (page index 0), the others per channel."""
+    where first [N] is true per token (page index 0), the others per channel (one Python bool:
+    every page so, and only that layout is computed)."""
     n, k, g, d = keys.shape
     keys = keys.astype(jnp.float32)
-    q_c, step_c, low_c = _encode(keys, axis=2)  # [N, K, D] per channel
-    codes_c = jnp.concatenate([step_c, low_c], axis=-1).reshape(n, k, g, 2 * d // g)
-    q_t, step_t, low_t = _encode(keys.reshape(n, k, g, d // g, g), axis=-1)  # [N, K, G, D/G]
-    codes_t = jnp.concatenate([step_t, low_t], axis=-1)
+
+    def per_channel():
+        q, step, low = _encode(keys, axis=2)  # [N, K, D]
+        return _pack(q), jnp.concatenate([step, low], axis=-1).reshape(n, k, g, 2 * d // g)
+
+    if isinstance(first, bool):
+        return quantize_key_tokens(keys, g) if first else per_channel()
     pick = first[:, None, None, None]
-    return (_pack(jnp.where(pick, q_t.reshape(keys.shape), q_c)),
-            jnp.where(pick, codes_t, codes_c))
+    (data_t, codes_t), (data_c, codes_c) = quantize_key_tokens(keys, g), per_channel()
+    return jnp.where(pick, data_t, data_c), jnp.where(pick, codes_t, codes_c)
 
 
-def dequantize_key_pages(data: jax.Array, codes: jax.Array, first: jax.Array,
+def dequantize_key_pages(data: jax.Array, codes: jax.Array, first: jax.Array | bool,
                          dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The inverse of `quantize_key_pages` on pages [..., K, G, D/2] (first broadcasting against
-    the leading dims) -> [..., K, G, D] in `dtype`."""
+    the leading dims, or one Python bool for them all, which decodes that layout alone)
+    -> [..., K, G, D] in `dtype`."""
     *lead, k, g, half = data.shape
     d = 2 * half
     q = _unpack(data)
     flat = codes.reshape(*lead, k, 1, 2 * d)
-    per_channel = _decode(q, flat[..., :d], flat[..., d:])
+    per_channel = lambda: _decode(q, flat[..., :d], flat[..., d:])
     expand = lambda c: jnp.repeat(c, g, axis=-1)  # [.., G, D/G] -> [.., G, D]
-    per_token = _decode(q, expand(codes[..., :d // g]), expand(codes[..., d // g:]))
+    per_token = lambda: _decode(q, expand(codes[..., :d // g]), expand(codes[..., d // g:]))
+    if isinstance(first, bool):
+        return (per_token() if first else per_channel()).astype(dtype)
     first = jnp.asarray(first)[..., None, None, None]
-    return jnp.where(first, per_token, per_channel).astype(dtype)
+    return jnp.where(first, per_token(), per_channel()).astype(dtype)
 
 
 def quantize_values(values: jax.Array) -> tuple[jax.Array, jax.Array]:

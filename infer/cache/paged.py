@@ -182,23 +182,12 @@ class PagedKVCache(WriteThenAttend):
         meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         if self.kv_format == kivi.KIVI_FORMAT:
             return self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v, meta)[0]
-        # One extra update aimed past the pool (and so dropped): with a single token to write,
-        # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
-        # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
-        g = self.page_size
-        slots = jnp.concatenate([self._slots(meta).reshape(-1),
-                                 jnp.asarray([self.num_pages * g], jnp.int32)])
-
-        def put(pool: jax.Array, new: jax.Array) -> jax.Array:
-            # new [B, T, K, Ds] -> one [K, Ds] row per token, scattered to (page, :, offset).
-            rows = kv_quant.to_bits(new.reshape(-1, *new.shape[2:]), pool.dtype)
-            rows = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
-            return pool.at[slots // g, :, slots % g].set(rows, mode="drop")
+        slots = self._slots(meta)
 
         def update(pools: tuple[jax.Array, ...] | None, new: jax.Array | None):
             if pools is None:
                 return None
-            return pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
+            return pools[:layer] + (_put_tokens(pools[layer], slots, new),) + pools[layer + 1:]
 
         if self.rotate:
             k, v = hadamard_rotate(k), hadamard_rotate(v)
@@ -341,12 +330,18 @@ class PagedKVCache(WriteThenAttend):
         bits = jnp.take(pool, self._ring(slot), axis=0, mode="fill", fill_value=0)
         return kv_quant.from_bits(bits, jnp.bfloat16).astype(jnp.float32)
 
-    def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array,
+    def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array | None,
                            dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
         """Keys and values of pages page_ids [B, n] as [B, n, K, G, D]; first [B, n] marks
-        page index 0 of its sequence (keys per token)."""
-        keys = kivi.dequantize_key_pages(self.k[layer][page_ids], self.k_scales[layer][page_ids],
-                                         first, dtype)
+        page index 0 of its sequence (keys per token); None: column 0 is page index 0 and no
+        other column is (whole page tables), so each layout decodes only its own pages."""
+        data, codes = self.k[layer][page_ids], self.k_scales[layer][page_ids]
+        if first is None:
+            keys = jnp.concatenate([
+                kivi.dequantize_key_pages(data[:, :1], codes[:, :1], True, dtype),
+                kivi.dequantize_key_pages(data[:, 1:], codes[:, 1:], False, dtype)], axis=1)
+        else:
+            keys = kivi.dequantize_key_pages(data, codes, first, dtype)
         values = kivi.dequantize_values(self.v[layer][page_ids], self.v_scales[layer][page_ids],
                                         dtype)
         return keys, values
@@ -357,8 +352,7 @@ class PagedKVCache(WriteThenAttend):
         pages its window holds read from the window instead, and the pages `written` touched
         (when given) as its exact values."""
         b, n = meta.page_tables.shape
-        first = jnp.broadcast_to(jnp.arange(n) == 0, (b, n))
-        keys, values = self._dequantized_pages(layer, meta.page_tables, first, dtype)
+        keys, values = self._dequantized_pages(layer, meta.page_tables, None, dtype)
         slot, tag = self._windows(meta)
         held = self._window_pages(layer, slot, tag)  # [B, W]
         g = self.page_size
@@ -384,13 +378,15 @@ class PagedKVCache(WriteThenAttend):
 
     def _write_kivi(self, layer: int, k: jax.Array, v: jax.Array, meta: AttentionMetadata
                     ) -> tuple["PagedKVCache", "_KiviWrite"]:
-        """Writes the new tokens of each row with the whole pages they touch: each page is
-        quantized again from its exact values (the window's, for the tokens before this write
-        in its first page; the page's own, dequantized, when the window no longer holds it,
-        as after a rollback past both pages it holds), and the last W pages touched go to the
+        """Writes the new tokens of each row. Keys on a per-channel page are quantized again
+        over the whole page, from its exact values (the window's, for the tokens before this
+        write in its first page; the page's own, dequantized, when the window no longer holds
+        it, as after a rollback past both pages it holds); what is quantized per token (values,
+        and keys on page 0) is quantized for the new tokens alone, at their slots, since an
+        earlier token's codes would come out the same. The last W pages touched go to the
         window's ring. So a page's keys are quantized per channel over every token it holds,
         exactly, once its last token is written. Returns the new cache and the exact pages
-        it quantized."""
+        the write touched."""
         g = self.page_size
         b, t = meta.positions.shape
         width = meta.page_tables.shape[1]
@@ -431,11 +427,17 @@ class PagedKVCache(WriteThenAttend):
             return out.reshape(b, span, g, *new.shape[2:]).transpose(0, 1, 3, 2, 4)
 
         keys, values = buffer(k, prior_k), buffer(v, prior_v)
-        k_data, k_codes = kivi.quantize_key_pages(keys.reshape(b * span, *keys.shape[2:]),
-                                                  (index == 0).reshape(-1))
-        v_data, v_codes = kivi.quantize_values(values.reshape(b * span, *values.shape[2:]))
-        dest = jnp.where(inside, page_ids, self.num_pages).reshape(-1)
-        put = lambda pool, new: pool.at[dest].set(new, mode="drop")
+        k_data, k_codes = kivi.quantize_key_pages(keys.reshape(b * span, *keys.shape[2:]), False)
+        dest = jnp.where(inside & (index > 0), page_ids, self.num_pages).reshape(-1)
+        put_pages = lambda pool, new: pool.at[dest].set(new, mode="drop")
+        # Per token: values everywhere, keys on page 0 (the others' slots point past the pool).
+        slots = self._slots(meta)
+        on_first_page = meta.new_token_slots()[0] < g
+        key_slots = jnp.where(on_first_page, slots, self.num_pages * g)
+        kt_data, kt_codes = kivi.quantize_key_tokens(k, g)
+        v_data, v_codes = kivi.quantize_values(v)
+        put_keys = lambda pool, paged, tokens: _put_tokens(put_pages(pool, paged), key_slots,
+                                                           tokens)
 
         # The ring takes the last W pages touched (fewer when the write touched fewer; the
         # entries it did not touch keep the earlier pages they hold).
@@ -455,10 +457,10 @@ class PagedKVCache(WriteThenAttend):
         replace = lambda pools, new: pools[:layer] + (new,) + pools[layer + 1:]
         written = _KiviWrite(keys, values, index, inside)
         return dataclasses.replace(
-            self, k=replace(self.k, put(self.k[layer], k_data)),
-            v=replace(self.v, put(self.v[layer], v_data)),
-            k_scales=replace(self.k_scales, put(self.k_scales[layer], k_codes)),
-            v_scales=replace(self.v_scales, put(self.v_scales[layer], v_codes)),
+            self, k=replace(self.k, put_keys(self.k[layer], k_data, kt_data)),
+            v=replace(self.v, _put_tokens(self.v[layer], slots, v_data)),
+            k_scales=replace(self.k_scales, put_keys(self.k_scales[layer], k_codes, kt_codes)),
+            v_scales=replace(self.v_scales, _put_tokens(self.v_scales[layer], slots, v_codes)),
             k_window=replace(self.k_window, to_ring(self.k_window[layer], keys)),
             v_window=replace(self.v_window, to_ring(self.v_window[layer], values)),
             window_tags=replace(self.window_tags, self.window_tags[layer].at[
@@ -475,6 +477,19 @@ class PagedKVCache(WriteThenAttend):
         if scales is not None:
             scales = scales[page_tables].transpose(0, 2, 1, 3, 4).reshape(b, k, n * g, -1)
         return kv_quant.dequantize(data, scales, self.kv_format, dtype)
+
+
+def _put_tokens(pool: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """pool [P, K, G, X] with new [B, T, K, X] scattered one [K, X] row per token to the flat
+    slots [B, T] (page * G + offset; past the pool: dropped)."""
+    g = pool.shape[2]
+    # One extra update aimed past the pool (and so dropped): with a single token to write,
+    # XLA:CPU turned the scatter into a dynamic-update-slice and then copied every layer's
+    # whole pool to keep it in place -- 0.7 s a step for a 1,024-page pool.
+    slots = jnp.concatenate([slots.reshape(-1), jnp.asarray([pool.shape[0] * g], jnp.int32)])
+    rows = kv_quant.to_bits(new.reshape(-1, *new.shape[2:]), pool.dtype)
+    rows = jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
+    return pool.at[slots // g, :, slots % g].set(rows, mode="drop")
 
 
 class _KiviWrite(NamedTuple):

@@ -67,25 +67,29 @@ def test_channels_and_tokens_keep_their_own_ranges() -> None:
 
 
 class _RowModel:
-    """What one sequence's positions must read back from the cache: each page holds the
-    quantization of the exact values its last write assembled (the window's copy, in bfloat16,
-    for the tokens before that write, or the page's own, dequantized, when the window had moved
-    on), and the pages the window's ring holds (the last two a write touched, page j in entry
-    j % 2, an entry a write did not reach keeping its page) read back those values in
-    bfloat16."""
+    """What one sequence's positions must read back from the cache: a per-channel key page
+    holds the quantization of the exact values its last write assembled (the window's copy, in
+    bfloat16, for the tokens before that write, or the page's own, dequantized, when the window
+    had moved on); what is per token (values, page 0's keys) holds each token's quantization as
+    it was written; and the pages the window's ring holds (the last two a write touched, page j
+    in entry j % 2, an entry a write did not reach keeping its page) read back the assembled
+    values in bfloat16."""
 
     def __init__(self, g: int, pages: int, k: int, d: int):
         self.g = g
         self.input_k = np.zeros((pages, k, g, d), np.float32)
         self.input_v = np.zeros((pages, k, g, d), np.float32)
+        self.token_k = np.zeros((pages, k, g, d), np.float32)  # as each token was written
+        self.token_v = np.zeros((pages, k, g, d), np.float32)
         self.ring = [-1] * kivi.WINDOW_PAGES
         self.just_written: set[int] = set()
 
     def _quantized(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         first = jnp.asarray([j == 0])
+        source = self.token_k if j == 0 else self.input_k
         keys = kivi.dequantize_key_pages(*kivi.quantize_key_pages(
-            jnp.asarray(self.input_k[j:j + 1]), first), first)
-        values = kivi.dequantize_values(*kivi.quantize_values(jnp.asarray(self.input_v[j])))
+            jnp.asarray(source[j:j + 1]), first), first)
+        values = kivi.dequantize_values(*kivi.quantize_values(jnp.asarray(self.token_v[j])))
         return np.asarray(keys[0]), np.asarray(values)
 
     def _read(self, j: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +113,8 @@ class _RowModel:
                                                               prior_v[:, :start % g])
             for p in range(max(start, j * g), min(start + n, (j + 1) * g)):
                 buf_k[:, p % g], buf_v[:, p % g] = k_new[p - start], v_new[p - start]
+                self.token_k[j, :, p % g] = k_new[p - start]
+                self.token_v[j, :, p % g] = v_new[p - start]
             self.input_k[j], self.input_v[j] = buf_k, buf_v
         for j in range(max(first, last - len(self.ring) + 1), last + 1):
             self.ring[j % len(self.ring)] = j
