@@ -142,22 +142,19 @@ def quantize_key_pages(keys: jax.Array, first: jax.Array | bool) -> tuple[jax.Ar
     return jnp.where(pick, data_t, data_c), jnp.where(pick, codes_t, codes_c)
 
 
-def dequantize_key_pages(data: jax.Array, codes: jax.Array, first: jax.Array | bool,
+def dequantize_key_pages(data: jax.Array, codes: jax.Array, first: jax.Array,
                          dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The inverse of `quantize_key_pages` on pages [..., K, G, D/2] (first broadcasting against
-    the leading dims, or one Python bool for them all, which decodes that layout alone)
-    -> [..., K, G, D] in `dtype`."""
+    the leading dims) -> [..., K, G, D] in `dtype`."""
     *lead, k, g, half = data.shape
     d = 2 * half
     q = _unpack(data)
     flat = codes.reshape(*lead, k, 1, 2 * d)
-    per_channel = lambda: _decode(q, flat[..., :d], flat[..., d:])
+    per_channel = _decode(q, flat[..., :d], flat[..., d:])
     expand = lambda c: jnp.repeat(c, g, axis=-1)  # [.., G, D/G] -> [.., G, D]
-    per_token = lambda: _decode(q, expand(codes[..., :d // g]), expand(codes[..., d // g:]))
-    if isinstance(first, bool):
-        return (per_token() if first else per_channel()).astype(dtype)
+    per_token = _decode(q, expand(codes[..., :d // g]), expand(codes[..., d // g:]))
     first = jnp.asarray(first)[..., None, None, None]
-    return jnp.where(first, per_token(), per_channel()).astype(dtype)
+    return jnp.where(first, per_token, per_channel).astype(dtype)
 
 
 def quantize_values(values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -179,9 +179,9 @@ class PagedKVCache(WriteThenAttend):
             for part, k_part, v_part in zip(meta.parts, meta.split(k), meta.split(v)):
                 cache = cache.write(layer, k_part, v_part, part)
             return cache
-        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         if self.kv_format == kivi.KIVI_FORMAT:
-            return self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v, meta)[0]
+            return self._write_kivi(layer, k, v, meta)[0]
+        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
         slots = self._slots(meta)
 
         def update(pools: tuple[jax.Array, ...] | None, new: jax.Array | None):
@@ -216,9 +216,7 @@ class PagedKVCache(WriteThenAttend):
                 cache, out = cache.write_and_attend(layer, q_part, k_part, v_part, part)
                 outs.append(out)
             return cache, meta.packed(outs)
-        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
-        cache, written = self._write_kivi(layer, k, hadamard_rotate(v) if self.rotate else v,
-                                          meta)
+        cache, written = self._write_kivi(layer, k, v, meta)
         return cache, cache._attend_rotated(layer, q, meta, written)
 
     def _attend_rotated(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata,
@@ -330,18 +328,12 @@ class PagedKVCache(WriteThenAttend):
         bits = jnp.take(pool, self._ring(slot), axis=0, mode="fill", fill_value=0)
         return kv_quant.from_bits(bits, jnp.bfloat16).astype(jnp.float32)
 
-    def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array | None,
+    def _dequantized_pages(self, layer: int, page_ids: jax.Array, first: jax.Array,
                            dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
         """Keys and values of pages page_ids [B, n] as [B, n, K, G, D]; first [B, n] marks
-        page index 0 of its sequence (keys per token); None: column 0 is page index 0 and no
-        other column is (whole page tables), so each layout decodes only its own pages."""
-        data, codes = self.k[layer][page_ids], self.k_scales[layer][page_ids]
-        if first is None:
-            keys = jnp.concatenate([
-                kivi.dequantize_key_pages(data[:, :1], codes[:, :1], True, dtype),
-                kivi.dequantize_key_pages(data[:, 1:], codes[:, 1:], False, dtype)], axis=1)
-        else:
-            keys = kivi.dequantize_key_pages(data, codes, first, dtype)
+        page index 0 of its sequence (keys per token)."""
+        keys = kivi.dequantize_key_pages(self.k[layer][page_ids], self.k_scales[layer][page_ids],
+                                         first, dtype)
         values = kivi.dequantize_values(self.v[layer][page_ids], self.v_scales[layer][page_ids],
                                         dtype)
         return keys, values
@@ -352,7 +344,8 @@ class PagedKVCache(WriteThenAttend):
         pages its window holds read from the window instead, and the pages `written` touched
         (when given) as its exact values."""
         b, n = meta.page_tables.shape
-        keys, values = self._dequantized_pages(layer, meta.page_tables, None, dtype)
+        first = jnp.broadcast_to(jnp.arange(n) == 0, (b, n))
+        keys, values = self._dequantized_pages(layer, meta.page_tables, first, dtype)
         slot, tag = self._windows(meta)
         held = self._window_pages(layer, slot, tag)  # [B, W]
         g = self.page_size
@@ -386,7 +379,10 @@ class PagedKVCache(WriteThenAttend):
         earlier token's codes would come out the same. The last W pages touched go to the
         window's ring. So a page's keys are quantized per channel over every token it holds,
         exactly, once its last token is written. Returns the new cache and the exact pages
-        the write touched."""
+        the write touched (values rotated when the cache rotates)."""
+        meta.check_eager_writes(meta.page_tables.shape[1] * self.page_size)
+        if self.rotate:  # values only: keys are quantized per channel, which rotation smears
+            v = hadamard_rotate(v)
         g = self.page_size
         b, t = meta.positions.shape
         width = meta.page_tables.shape[1]
