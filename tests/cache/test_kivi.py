@@ -10,7 +10,7 @@ import pytest
 from infer.cache import kivi
 from infer.cache.metadata import AttentionMetadata
 from infer.cache.page_allocator import OutOfWindows, PageAllocator
-from infer.cache.paged import PagedKVCache
+from infer.cache.paged import PagedKVCache, _hadamard
 
 STEP_GRID = 2 ** (1 / kivi.STEP_CODES_PER_OCTAVE)  # a step is at most this much above its need
 
@@ -154,11 +154,14 @@ def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
     rollbacks into the last write (rejected speculative tokens), permuted pages, rows writing
     nothing: every attention output matches the host model's, and each row's window serves it
     alone. Through write_and_attend (`fused`) a write's own queries read every page it touched
-    as the exact values it quantized them from; a later attend reads them as stored."""
+    as the exact values it quantized them from; a later attend reads them as stored. Odd seeds
+    rotate values (the format's default): the model holds v H, and outputs come back times H^T."""
     rng = np.random.default_rng(seed)
     b, k, h, d, g, width = 3, 2, 4, 16, 4, 8
+    rotate = bool(seed % 2)
+    turn = _hadamard(d) if rotate else np.eye(d)
     pages = rng.permutation(b * width + 3)[:b * width].reshape(b, width).astype(np.int32)
-    cache = PagedKVCache.create(1, b * width + 3, g, k, d, kivi.KIVI_FORMAT, rotate=False,
+    cache = PagedKVCache.create(1, b * width + 3, g, k, d, kivi.KIVI_FORMAT, rotate=rotate,
                                 num_windows=b + 2)
     slots = rng.permutation(b + 2)[:b]
     windows = jnp.asarray(np.stack([slots, 100 + np.arange(b)], axis=1).astype(np.int32))
@@ -189,7 +192,8 @@ def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
             out = later = np.asarray(cache.attend(0, jnp.asarray(q), meta))
         out = np.asarray(out)
         for row in range(b):
-            models[row].write(int(start[row]), kn[row, :q_lens[row]], vn[row, :q_lens[row]])
+            models[row].write(int(start[row]), kn[row, :q_lens[row]],
+                              vn[row, :q_lens[row]] @ turn)
             end = int(start[row] + q_lens[row])
             if q_lens[row]:
                 last_start[row] = start[row]
@@ -199,7 +203,7 @@ def test_reads_follow_the_pages_and_windows_through_random_writes_and_rollbacks(
             positions = np.arange(start[row], end)
             for got, now in ((out, fused), (later, False)):
                 keys, values = models[row].keys_values(end, fused=now)
-                expected = _attention(q[row, :q_lens[row]], keys, values, positions, end)
+                expected = _attention(q[row, :q_lens[row]], keys, values, positions, end) @ turn.T
                 np.testing.assert_allclose(got[row, :q_lens[row]], expected, rtol=2e-5,
                                            atol=2e-5)
 
