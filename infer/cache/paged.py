@@ -162,11 +162,16 @@ class PagedKVCache(WriteThenAttend):
     def _slots(self, meta: AttentionMetadata) -> jax.Array:
         """[B, T] flat slot (page * G + offset) of each new token; padding, and any token past
         the row's table, points past the pool (dropped) rather than onto a page it does not own."""
-        g, width = self.page_size, meta.page_tables.shape[1]
-        slots, valid = meta.new_token_slots()
+        return self._flat_slots(meta.page_tables, *meta.new_token_slots())
+
+    def _flat_slots(self, page_tables: jax.Array, slots: jax.Array, valid: jax.Array
+                    ) -> jax.Array:
+        """[B, T] flat slot (page * G + offset) of each row's sequence slot slots [B, T]; where
+        not valid, or outside [0, the row's table), one past the pool (a scatter drops it)."""
+        g, width = self.page_size, page_tables.shape[1]
         index = slots // g
         inside = valid & (index >= 0) & (index < width)
-        page = jnp.take_along_axis(meta.page_tables, jnp.clip(index, 0, width - 1), axis=1)
+        page = jnp.take_along_axis(page_tables, jnp.clip(index, 0, width - 1), axis=1)
         return jnp.where(inside, page * g + slots % g, self.num_pages * g)
 
     def write(self, layer: int, k: jax.Array, v: jax.Array,
@@ -196,6 +201,45 @@ class PagedKVCache(WriteThenAttend):
         return dataclasses.replace(self, k=update(self.k, k_data), v=update(self.v, v_data),
                                    k_scales=update(self.k_scales, k_scale),
                                    v_scales=update(self.v_scales, v_scale))
+
+    def move_tokens(self, page_tables: jax.Array, src: jax.Array, dst: jax.Array,
+                    valid: jax.Array) -> "PagedKVCache":
+        """Copies single token slots of each row's sequence to other slots of it, in every layer:
+        tree speculation's compaction, which moves the accepted path's nodes from their tree
+        slots to the consecutive slots after the cache.
+
+        page_tables [B, n] int32; src, dst [B, T] int32 slots within each row's sequence
+        (0-based positions, translated through the row's table: page_tables[b, s // G] * G +
+        s % G); valid [B, T] bool. Where valid, the k, v (and k_scales, v_scales) rows of slot
+        src[b, t] are copied to dst[b, t]. The rows move as stored (bits and scales, never
+        dequantized and quantized again), so every per-token format moves exactly. Everything
+        is gathered before anything is written, since a node may move onto a slot another one
+        leaves; dst must be distinct among a row's valid entries (a scatter to one slot twice
+        keeps either). Invalid entries, and a src or dst past the row's table, write nothing.
+
+        int4_kivi raises: its keys are quantized per channel over whole pages (and held exact
+        in the sequence's window), so a single token's stored key cannot move alone."""
+        if self.kv_format == kivi.KIVI_FORMAT:
+            raise ValueError(f"{kivi.KIVI_FORMAT} cannot move single tokens: its keys are "
+                             "quantized per channel over whole pages and kept in per-sequence "
+                             "windows of whole pages, so one token's stored key is no row of "
+                             "its own")
+        g = self.page_size
+        inside = lambda slots: self._flat_slots(page_tables, slots, valid) < self.num_pages * g
+        ok = inside(src) & inside(dst)
+        # Reading a row of the pool at a clipped in-range slot is harmless: its write is dropped.
+        source = jnp.minimum(self._flat_slots(page_tables, src, ok), self.num_pages * g - 1)
+        target = self._flat_slots(page_tables, dst, ok)
+
+        def move(pools: tuple[jax.Array, ...] | None) -> tuple[jax.Array, ...] | None:
+            if pools is None:
+                return None
+            # Gather every layer's rows (as [B, T, K, X]) before the scatter writes any of them.
+            rows = [pool[source // g, :, source % g] for pool in pools]
+            return tuple(_put_tokens(pool, target, new) for pool, new in zip(pools, rows))
+
+        return dataclasses.replace(self, k=move(self.k), v=move(self.v),
+                                   k_scales=move(self.k_scales), v_scales=move(self.v_scales))
 
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata | MixedMetadata
                ) -> jax.Array:
