@@ -80,7 +80,7 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     from infer.io.loader import load
     from infer.spec.config import DRAFT_VOCAB_PATH
     from infer.spec.eagle_head import load_eagle
-    from infer.spec.model_proposers import load_draft_vocab
+    from infer.spec.draft_vocab import load_draft_vocab
 
     log = ResultLog(out, resume=resume)
 

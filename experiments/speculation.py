@@ -91,6 +91,9 @@ flags.DEFINE_list("dynamic_trees", [], "EAGLE-2 dynamic trees of the tree part, 
                   "BxD/N or BxDwW/N (`TreeShape.parse`: top-B children, D levels, the N likeliest "
                   "candidates verified, W nodes expanded per level, default B)",
                   flag_values=FLAGS)
+flags.DEFINE_list("engine_trees", [], "EAGLE trees run through the serving engine in the engine "
+                  "part, each 'BxD' (full) or 'BxD/N' (dynamic, N candidates), beside method eagle's "
+                  "chains (needs eagle in --methods)", flag_values=FLAGS)
 flags.DEFINE_integer("tree_prompts", 4, "chat prompts of the tree part", flag_values=FLAGS)
 flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights: a random head "
                   "(exactness and timing only; acceptance is near 0)", flag_values=FLAGS)
@@ -182,6 +185,19 @@ class ProposerProbe:
             return commit(seqs, emitted, *args, **kwargs)
 
         proposer.propose, proposer.commit = timed_propose, counting_commit
+        if getattr(getattr(proposer, "config", None), "tree", None) is not None:
+            propose_tree = proposer.propose_tree
+
+            def timed_propose_tree(seqs, limits, rows):
+                start = time.perf_counter()
+                out = propose_tree(seqs, limits, rows)
+                out[0].block_until_ready()
+                counts = [int(c) for c in out[2][:len(seqs)]]
+                self.calls.append((start, time.perf_counter(), counts))
+                self._pending = counts if any(counts) else None
+                return out
+
+            proposer.propose_tree = timed_propose_tree
 
     def reset(self) -> None:
         self.calls, self.emitted, self._pending = [], [], None
@@ -319,8 +335,8 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                batch_sizes: list[int], num_prompts: int, max_tokens: int, snippet_chars: int,
                warmup: str, seed: int, loaded, log,
                prompts: dict[str, list[list[int]]] | None = None, draft_vocab_size: int = 0,
-               prompt_kind: str = "", draft_confidence: float = 0.0, eagle_path: str = ""
-               ) -> None:
+               prompt_kind: str = "", draft_confidence: float = 0.0, eagle_path: str = "",
+               engine_trees: Sequence[str] = ()) -> None:
     """Baselines per batch size, prompt kind and temperature, then every runnable method x k
     against them, each row written to `log` as it is measured. `prompts` (kind -> token ids)
     replaces the held-out SmolLM2 prompts; `eagle_path` the EAGLE head."""
@@ -346,7 +362,10 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         prompts = {kind: build_prompts(tokenizer, kind, count, snippet_chars) for kind in kinds}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
     # Room for the longest prompt, its tokens and a full verify step, in few window buckets.
-    max_model_len = 128 * -(-(longest + max_tokens + max(ks) + 2) // 128)
+    from infer.spec.tree_draft import TreeShape
+    trees = [TreeShape.parse(text) for text in engine_trees] if "eagle" in runnable else []
+    reach = max([max(ks)] + [tree.reserved_slots for tree in trees])
+    max_model_len = 128 * -(-(longest + max_tokens + reach + 2) // 128)
     engine_args = dict(max_model_len=max_model_len, max_prefill_tokens=256)
 
     def timed(llm, kind: str, batch: int, temperature: float,
@@ -368,7 +387,7 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
         return row
 
     total = len(batch_sizes) * (len(kinds) * len(temperatures)
-                                + len(runnable) * len(ks) * len(temperatures))
+                                + (len(runnable) * len(ks) + len(trees)) * len(temperatures))
     bar = tqdm(total=total, desc="engine runs")
     common = {"experiment": "speculation", "part": "engine", "max_tokens": max_tokens,
               "snippet_chars": snippet_chars, "warmup": warmup, "seed": seed}
@@ -404,10 +423,15 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                          if value}
             if method == "eagle" and eagle_path:
                 extras["eagle_path"] = eagle_path
-            for k in ks:
+            # Chains of k drafts, then (EAGLE) each tree; a tree's row names its shape, and its
+            # k is the candidates it verifies at most.
+            variants = [(k, {"num_tokens": k}) for k in ks]
+            if method == "eagle":
+                variants += [(tree.num_nodes - 1, {"tree": str(tree)}) for tree in trees]
+            for k, variant in variants:
                 @functools.cache
-                def spec_llm(method=method, k=k, batch=batch, extras=extras):
-                    llm = engine(batch, {"method": method, "num_tokens": k, **extras})
+                def spec_llm(method=method, batch=batch, extras=extras, variant=variant):
+                    llm = engine(batch, {"method": method, **variant, **extras})
                     return llm, ProposerProbe(llm.engine.runner.proposer)
 
                 def measure(t: float, kind=kind, k=k, batch=batch, extras=extras) -> dict:
@@ -422,9 +446,10 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                     row.pop("token_ids")
                     return row
 
+                tree_key = {"tree": variant["tree"]} if "tree" in variant else {}
                 for t in temperatures:
-                    log.measure({**common, **extras, "method": method, "k": k, "temperature": t,
-                                 "batch": batch, "prompts": kind,
+                    log.measure({**common, **extras, **tree_key, "method": method, "k": k,
+                                 "temperature": t, "batch": batch, "prompts": kind,
                                  "num_prompts": max(num_prompts, batch)},
                                 lambda t=t, measure=measure: measure(t))
                     bar.update(1)
@@ -480,8 +505,9 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     from infer.sampling_params import SamplingParams
     from infer.spec.config import DRAFT_VOCAB_PATH, SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
-    from infer.spec.model_proposers import load_draft_vocab
-    from infer.spec.tree import TreeShape, TreeSpeculator, tree_generate
+    from infer.spec.draft_vocab import load_draft_vocab
+    from infer.spec.tree import TreeSpeculator, tree_generate
+    from infer.spec.tree_draft import TreeShape
 
     config, model, tokenizer = loaded
     path = eagle_path or next((f.default for f in dataclasses.fields(SpeculativeConfig)
@@ -672,7 +698,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         seed: int, out: str, dynamic_trees: Sequence[str] = (), loaded=None, prompts: dict[str, list[list[int]]] | None = None,
         eagle_path: str = "", resume: bool = False, tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = "",
-        draft_confidence: float = 0.0) -> list[dict[str, Any]]:
+        draft_confidence: float = 0.0, engine_trees: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
     it is measured; with `resume`, points already there are not measured again). `loaded` is
     (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
@@ -693,7 +719,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
                    num_prompts=num_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
                    warmup=warmup, seed=seed, loaded=loaded, log=log, prompts=prompts,
                    draft_vocab_size=draft_vocab_size, prompt_kind=prompt_kind,
-                   draft_confidence=draft_confidence, eagle_path=eagle_path or "")
+                   draft_confidence=draft_confidence, eagle_path=eagle_path or "",
+                   engine_trees=engine_trees)
     if "tree" in parts:
         run_tree(branches=tree_branches, depth=tree_depth, temperatures=temperatures,
                  num_prompts=tree_prompts, max_tokens=max_tokens, snippet_chars=snippet_chars,
@@ -703,8 +730,9 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
     rows = log.rows()
     engine_rows = [r for r in rows if r["part"] == "engine"]
     if engine_rows:
-        print("\nEngine (chain) speculation; baselines are method none:")
-        print(markdown_table(engine_rows, COLUMNS))
+        print("\nEngine speculation (chains; EAGLE trees where the tree column names one); "
+              "baselines are method none:")
+        print(markdown_table(engine_rows, [("tree", "tree")] + COLUMNS))
     tree_rows = [r for r in rows if r["part"] == "tree"]
     if tree_rows:
         print("\neagle_generate at batch 1 (tree vs chain of the same depth, dynamic trees "

@@ -180,7 +180,7 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     from experiments.training import Trainer, generated_mask, print_curve
     from infer.io.loader import load
     from infer.spec.eagle_head import EagleHead, from_eagle1, load_eagle, save_eagle
-    from infer.spec.model_proposers import draft_vocab_rows, load_draft_vocab
+    from infer.spec.draft_vocab import draft_vocab_rows, load_draft_vocab
 
     start = time.perf_counter()
     config, target, _ = load("smollm2-135m", "float32")

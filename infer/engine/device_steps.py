@@ -28,7 +28,7 @@ from infer.model.binding import Binding, binding
 from infer.model.llama import CacheT, Llama
 from infer.model.sharding import replicate
 from infer.sampling import SampleLogprobs, SamplingArrays, sample, sample_logprobs
-from infer.spec.verify import verify_chain
+from infer.spec.verify import path_tokens, tree_structure, verify_chain, verify_tree
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +100,28 @@ class DeviceSteps:
                                                  sampling, sample_index)
             return replicate(num_accepted), replicate(emitted), hidden, cache
 
+        def tree_verify(params, cache, roots, nodes, parents, meta, sampling, sample_index,
+                        depth):
+            nodes = jnp.concatenate([roots[:, None], nodes], axis=1)  # [B, N], node 0 the root
+            real = jnp.arange(nodes.shape[1])[None] < meta.q_lens[:, None]
+            nodes = jnp.where(real, nodes, -1)  # never accepted, never written
+            node_depth, ancestors = jax.vmap(tree_structure, (0, None))(parents, depth)
+            meta = dataclasses.replace(meta, positions=meta.starts[:, None] + node_depth,
+                                       tree_mask=ancestors)
+            logits, hidden, cache = bind(params)(jnp.maximum(nodes, 0), cache, meta,
+                                                 feature_layers=self.feature_layers)
+            path, accepted, nxt = verify_tree(logits, nodes, parents, sampling, sample_index,
+                                              depth)
+            emitted = path_tokens(nodes, path, accepted, nxt)
+            # The accepted nodes' KV moves from their tree slots to the slots after the root's,
+            # as a plain pass over the accepted tokens would have written it.
+            step = jnp.arange(depth + 1, dtype=jnp.int32)[None]
+            cache = cache.move_tokens(meta.page_tables, meta.starts[:, None] + jnp.maximum(path, 0),
+                                      meta.starts[:, None] + step,
+                                      (step >= 1) & (step <= accepted[:, None]))
+            hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
+            return replicate(accepted), replicate(emitted), hidden, cache
+
         def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
             logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
             tokens, logprobs = sampled(logits[0], sampling, sample_index)
@@ -109,6 +131,8 @@ class DeviceSteps:
         self._mixed = jit(mixed)
         self._forward = jit(forward)
         self._verify = jit(verify)
+        # Speculation runs on one device (the engine refuses it on a mesh), so no placement.
+        self._tree_verify = jax.jit(tree_verify, donate_argnums=1, static_argnums=8)
         self._prefill = jit(prefill)
         self._decode = jit(decode)
 
@@ -148,6 +172,32 @@ class DeviceSteps:
         the draft's sampling probabilities, or None for deterministic proposals."""
         return self._verify(self.params, cache, tokens, meta, draft_tokens, num_draft,
                             draft_probs, sampling, sample_index)
+
+    def tree_verify_step(self, cache: CacheT, roots: jax.Array, nodes: jax.Array,
+                         parents: jax.Array, meta: AttentionMetadata, sampling: SamplingArrays,
+                         sample_index: jax.Array, depth: int
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+        """One target pass over a tree per row, exact verification, and compaction.
+
+        Row b's tree is its last token roots[b] then candidates nodes [B, N-1] (parents
+        [B, N] in drafting order, nodes at most `depth` below the root), of which the first
+        meta.q_lens[b] - 1 are verified; node i is written to slot meta.starts[b] + i at
+        position starts + its depth and sees the cache and its ancestors. `meta` is a paged
+        step's metadata over N tokens (its positions are replaced here).
+
+        Returns (num_accepted [B], emitted [B, depth+1] (the accepted path's candidates, the
+        target's token, then -1), hidden states [B, depth+1, E] of the root and the path's
+        nodes, cache). The path's KV is moved to slots starts+1 .. starts+num_accepted, so
+        the cache is what verifying the accepted tokens as a chain would leave."""
+        return self._tree_verify(self.params, cache, roots, nodes, parents, meta, sampling,
+                                 sample_index, depth)
+
+    def lower_tree_verify(self, cache: CacheT, roots: jax.Array, nodes: jax.Array,
+                          parents: jax.Array, meta: AttentionMetadata, sampling: SamplingArrays,
+                          sample_index: jax.Array, depth: int) -> jax.stages.Lowered:
+        """tree_verify_step lowered for these shapes, for ahead-of-time compilation."""
+        return self._tree_verify.lower(self.params, cache, roots, nodes, parents, meta,
+                                       sampling, sample_index, depth)
 
     def prefill_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                      sampling: SamplingArrays, sample_index: jax.Array

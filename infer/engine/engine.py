@@ -103,15 +103,16 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_len=max_model_len, policy=config.scheduler,
             static_max_wait_s=config.static_max_wait_s,
-            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
+            num_speculative_tokens=config.speculative.reserved_slots if config.speculative else 0,
             mixed_steps=config.mixed_steps),
             self.allocator, prefix_cache=self.prefix_cache)
         runner_config = RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
             max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len,
-            num_speculative_tokens=config.speculative.num_tokens if config.speculative else 0,
-            min_window=config.min_window, mixed_steps=config.mixed_steps)
+            num_speculative_tokens=config.speculative.reserved_slots if config.speculative else 0,
+            min_window=config.min_window, mixed_steps=config.mixed_steps,
+            tree=config.speculative.tree_shape if config.speculative else None)
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
         proposer = None

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import jax
 import numpy as np
 
+from infer.cache import kivi
 from infer.cache.metadata import MixedMetadata, paged_metadata
 from infer.cache.paged import PagedKVCache, copy_pages, window_slots
 from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
@@ -35,6 +36,7 @@ from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
 from infer.sampling_params import is_integer
 from infer.spec.stats import SpeculationStats
+from infer.spec.tree_draft import TreeShape
 from infer.structured import fill_bitmask, mask_words
 
 if TYPE_CHECKING:
@@ -57,8 +59,19 @@ class RunnerConfig:
     # One forward over a prefill chunk and the decode rows together (`Runner._mixed`): each
     # chunk bucket is one more program per page-table width.
     mixed_steps: bool = False
+    # EAGLE tree speculation (`infer.spec.tree_draft.TreeShape`): verify steps take a tree per row,
+    # `num_speculative_tokens` being the slots a step may write past a row's last token.
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
+        if self.tree is not None and self.kv_format == kivi.KIVI_FORMAT:
+            raise ValueError(f"tree speculation moves the accepted path's KV token by token, "
+                             f"which {kivi.KIVI_FORMAT}'s per-channel key pages cannot do: use "
+                             f"another kv_cache_dtype or a chain (no tree)")
+        if self.tree is not None and self.num_speculative_tokens != self.tree.reserved_slots:
+            raise ValueError(f"a {self.tree} tree writes {self.tree.reserved_slots} slots past a "
+                             f"row's last token: num_speculative_tokens must be that, got "
+                             f"{self.num_speculative_tokens}")
         if self.mixed_steps and self.num_speculative_tokens:
             raise ValueError("mixed steps do not combine with speculative decoding")
         w = self.min_window
@@ -90,8 +103,8 @@ class RunnerConfig:
 class Shape:
     """One compiled program of a serving run: which step, and the shapes that reach jit."""
 
-    # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1), "mixed" (a
-    # chunk of `tokens` and `rows` decode rows)
+    # "prefill" (one chunk), "decode" (rows of one token), "verify" (rows of k+1), "tree" (rows
+    # of a tree of `tokens` nodes), "mixed" (a chunk of `tokens` and `rows` decode rows)
     kind: str
     rows: int
     tokens: int  # per row; a mixed step's chunk
@@ -373,6 +386,8 @@ class Runner:
                              "which plain steps compute: the scheduler plans no drafts in a "
                              "step with such a row")
         rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
+        if self.config.tree is not None:
+            return self._speculate_tree(plan, rows)
         drafts, counts, draft_probs = self.proposer.propose(seqs, plan.draft_limits, rows, k)
         if not counts.any():  # nothing to verify: a plain decode step is k+1 times cheaper
             pending = self._decode(plan)
@@ -402,6 +417,34 @@ class Runner:
         self.proposer.commit(seqs, out, hidden)
         return out, None
 
+    def _speculate_tree(self, plan: StepPlan, rows: int) -> tuple[Emitted, EmittedLogprobs]:
+        """A tree per row from the proposer, one target pass over every row's tree with a tree
+        mask, exact verification, and the accepted paths' KV compacted in place
+        (`DeviceSteps.tree_verify_step`); each row advances by its own path."""
+        seqs, shape = plan.decode, self.config.tree
+        nodes, parents, counts = self.proposer.propose_tree(seqs, plan.draft_limits, rows)
+        if not counts.any():  # nothing to verify: a plain decode step is far cheaper
+            pending = self._decode(plan)
+            return pending.result(), pending.logprobs()
+        n = shape.num_nodes
+        roots, cached, q_lens, sample_index = self._decode_rows(seqs, rows)
+        q_lens[:len(seqs)] += counts[:len(seqs)]
+        width = self.config.window_for(
+            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        self._first_use(Shape("tree", rows, n, width))
+        start = time.perf_counter()
+        _, meta, sampling, index = self._inputs(seqs, np.zeros((rows, n), np.int32), cached,
+                                                q_lens, width, sample_index)
+        accepted, emitted, hidden, self.cache = self.device_steps.tree_verify_step(
+            self.cache, jax.device_put(roots), nodes, parents, meta, sampling, index,
+            shape.depth)
+        self.times.inputs_s += time.perf_counter() - start
+        accepted, emitted = self._wait(accepted), self._wait(emitted)
+        out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
+        self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
+        self.proposer.commit(seqs, out, hidden)
+        return out, None
+
 
     # -- compilation ----------------------------------------------------------------------------
 
@@ -417,6 +460,9 @@ class Runner:
         for width in self.config.window_buckets:
             for rows in self.config.decode_buckets:
                 out.append(Shape("decode", rows, 1, width))
+                if self.config.tree is not None:
+                    out.append(Shape("tree", rows, self.config.tree.num_nodes, width))
+                    continue
                 out += [Shape("verify", rows, k + 1, width, p) for p in probs if k]
             # A one-token chunk runs the one-row decode program (same step, same shapes).
             out += [Shape("prefill", 1, t, width) for t in self.config.prefill_buckets if t > 1]
@@ -443,6 +489,10 @@ class Runner:
         zeros = np.zeros(rows, np.int32)
         tok, meta, sampling, index = self._inputs([], np.zeros((rows, t), np.int32), zeros,
                                                   zeros, shape.width, zeros)
+        if shape.kind == "tree":
+            return (jax.device_put(zeros), jax.device_put(np.zeros((rows, t - 1), np.int32)),
+                    jax.device_put(np.tile(np.arange(t, dtype=np.int32) - 1, (rows, 1))), meta,
+                    sampling, index, self.config.tree.depth)
         if shape.kind != "verify":
             return tok, meta, sampling, index
         k = t - 1
@@ -475,6 +525,8 @@ class Runner:
         steps = self.device_steps
         if shape.kind == "verify":
             return steps.verify_step, steps.lower_verify
+        if shape.kind == "tree":
+            return steps.tree_verify_step, steps.lower_tree_verify
         if shape.kind == "mixed":
             return steps.mixed_step, steps.lower_mixed
         return steps.prefill_step, steps.lower_prefill

@@ -10,10 +10,12 @@ from infer.model.llama import Llama
 from infer.sampling_params import is_real
 from infer.spec.draft_model import load_draft, self_draft
 from infer.spec.eagle_head import load_eagle
-from infer.spec.model_proposers import DraftModelProposer, EagleProposer, load_draft_vocab
+from infer.spec.draft_vocab import load_draft_vocab
+from infer.spec.model_proposers import DraftModelProposer, EagleProposer
 from infer.spec.ngram import NgramProposer
 from infer.spec.proposer import Proposer
 from infer.spec.suffix import SuffixProposer, check_suffix_params
+from infer.spec.tree_draft import TreeShape
 
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
@@ -66,6 +68,22 @@ class SpeculativeConfig:
     # row with no draft left takes a plain step, and when every row has stopped the chain's
     # remaining draft steps do not run. None: every row drafts its limit.
     draft_confidence: float | None = None
+    # EAGLE-2 tree speculation (method "eagle" only): "BxD", the full tree of `branches` children
+    # per node and `depth` levels, or "BxD/N" (or "BxDwW/N"), the dynamic tree of N candidates
+    # chosen by the head's confidence (`infer.spec.tree_draft.TreeShape`), verified with a tree mask in
+    # place of num_tokens' chain. With draft_confidence, a row verifies its candidates only up to
+    # the last whose path the head gives at least that probability (none: a plain step).
+    tree: str | None = None
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        return None if self.tree is None else TreeShape.parse(self.tree)
+
+    @property
+    def reserved_slots(self) -> int:
+        """Cache slots past a row's last token that one speculative step may write."""
+        shape = self.tree_shape
+        return self.num_tokens if shape is None else shape.reserved_slots
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -73,6 +91,14 @@ class SpeculativeConfig:
                              f"{SPECULATIVE_METHODS}")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"num_tokens must be in [1, 16], got {self.num_tokens}")
+        if self.tree is not None:
+            if self.method != "eagle":
+                raise ValueError(f"tree speculation drafts with an EAGLE head: method must be "
+                                 f"'eagle', got {self.method!r}")
+            if not isinstance(self.tree, str):
+                raise ValueError(f"tree is a shape string such as '2x3' or '3x4/15', got "
+                                 f"{self.tree!r}")
+            TreeShape.parse(self.tree)  # raises on a bad shape
         check_suffix_params(self.suffix_max_match, self.suffix_spec_factor, self.suffix_min_prob,
                             self.num_tokens, self.suffix_corpus_tokens)
         path = {"draft": self.draft_path, "eagle": self.eagle_path}.get(self.method)

@@ -17,7 +17,10 @@ here allocates. A proposer only remembers, per request, up to which position its
 
 A request's first catch-up covers its whole prompt, in chunks of at most `max_prefill_tokens`
 on one row. Then one jitted call per step catches every row up and drafts k tokens, feeding
-each draft back (rows stop writing past their own limit, so no write leaves their pages).
+each draft back (rows stop writing past their own limit, so no write leaves their pages). With
+a tree (`RunnerConfig.tree`), the EAGLE proposer's call instead drafts one tree per row
+(`infer.spec.tree_draft.draft_tree`, the batch-1 speculator's code), its head rows written to
+the row's reserved slots after its last token.
 Drafts are greedy for greedy requests and sampled from the request's own warped distribution
 (temperature, top-k, top-p) otherwise; their probabilities go to the verifier, which keeps the
 output distribution exactly the target's whatever the drafts are.
@@ -51,50 +54,14 @@ from infer.cache.paged import PagedKVCache
 from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.model.binding import binding
-from infer.model.llama import Llama, dense
+from infer.model.llama import Llama
 from infer.sampling import SamplingArrays, draft_keys, draw
-from infer.sampling_params import is_integer
+from infer.spec.draft_vocab import DraftVocab, draft_logits, draft_vocab_rows
 from infer.spec.eagle_head import EagleHead
+from infer.spec.tree_draft import draft_tree, top_children
 
 if TYPE_CHECKING:
     from infer.engine.runner import RunnerConfig
-
-
-def load_draft_vocab(path: str, size: int, vocab_size: int) -> np.ndarray:
-    """The first `size` ids [N] int32 of the ranking at `path` (`experiments.draft_vocab`: an
-    int32 array of target ids, most frequent first), checked: distinct ids of [0, vocab_size)."""
-    if not is_integer(size) or not 1 <= size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be an int in [1, {vocab_size}] (the target's "
-                         f"vocabulary), got {size!r}")
-    ranking = np.load(path, allow_pickle=False)
-    if ranking.ndim != 1 or not np.issubdtype(ranking.dtype, np.integer):
-        raise ValueError(f"draft vocabulary {path!r} must be a 1-D integer array of token ids, "
-                         f"got {ranking.dtype} {ranking.shape}")
-    if len(ranking) < size:
-        raise ValueError(f"draft vocabulary {path!r} ranks {len(ranking)} ids; "
-                         f"draft_vocab_size={size} asks for more")
-    ids = ranking[:size].astype(np.int64)
-    if ids.min() < 0 or ids.max() >= vocab_size or len(np.unique(ids)) != size:
-        raise ValueError(f"the first {size} ids of {path!r} must be distinct token ids in "
-                         f"[0, {vocab_size}): is it the ranking of this target's vocabulary?")
-    return ids.astype(np.int32)
-
-
-DraftVocab = tuple[jax.Array, jax.Array]  # (head rows [N, E], target ids [N] int32), on device
-
-
-def draft_vocab_rows(model: Llama, ids: np.ndarray | None) -> DraftVocab | None:
-    """The LM-head rows of `ids` (a copy, [N, E]) and the ids, on device; None: every id."""
-    if ids is None:
-        return None
-    head = (model.embed if model.lm_head is None else model.lm_head)[...]
-    return jnp.take(head, jnp.asarray(ids), axis=0), jnp.asarray(ids, jnp.int32)
-
-
-def draft_logits(model: Llama, hidden: jax.Array, vocab: DraftVocab | None) -> jax.Array:
-    """Logits of final hidden states [..., E] through `model`'s LM head: [..., V], or with
-    `vocab` [..., N] over its rows only (a choice i there is target id vocab[1][i])."""
-    return model.logits(hidden) if vocab is None else dense(hidden, vocab[0], "...e,ve->...v")
 
 
 def _draw_draft(model: Llama, hidden: jax.Array, vocab: DraftVocab | None,
@@ -237,7 +204,8 @@ class _ModelProposer:
         width = self.config.window_for(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
         limits_arr = np.zeros(rows, np.int32)
         limits_arr[:len(limits)] = limits
-        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width, limits_arr)
+        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width,
+                                    np.maximum(limits_arr - 1, 0))
         params = [s.request.params for s in seqs]
         sampling = SamplingArrays.from_params(params, batch=rows)
         sampled = any(not p.greedy for p in params)
@@ -299,9 +267,10 @@ class _ModelProposer:
             track.valid = end
 
     def _chain_inputs(self, seqs: Sequence[SeqState], rows_of: Sequence[int], rows: int,
-                      width: int, limits: np.ndarray) -> tuple:
-        """The chain's inputs: each row's catch-up rows, then its metadata, checked for the
-        chain's writes too (it feeds back drafts 1 .. limit-1 at the slots after the catch-up)."""
+                      width: int, writes_past: np.ndarray) -> tuple:
+        """The draft program's inputs: each row's catch-up rows, then its metadata, checked for
+        the `writes_past` [rows] slots it writes after the catch-up too (a chain feeds back
+        drafts 1 .. limit-1 there, a tree writes its head rows)."""
         w = self.catch_up_width
         cached = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
@@ -313,7 +282,7 @@ class _ModelProposer:
             for buffer, values in zip(row_inputs, self._rows(seq, track, track.valid, end, w)):
                 buffer[i] = values[0]
             track.valid = end
-        write_ends = cached + q_lens + np.maximum(limits - 1, 0)
+        write_ends = cached + q_lens + writes_past
         meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, w, rows_of,
                               write_ends, names=[s.label for s in seqs], with_windows=False)
         return (*[jax.device_put(b) for b in row_inputs], meta)
@@ -335,6 +304,10 @@ class _ModelProposer:
             for rows in self.config.decode_buckets:
                 zeros = np.zeros(rows, np.int32)
                 inputs = self._chain_inputs([], [], rows, width, zeros)
+                if self.config.tree is not None:
+                    *_, self.cache = self._tree(self.cache, *inputs, jnp.asarray(zeros))
+                    count += 1
+                    continue
                 sampling = SamplingArrays.from_params([], batch=rows)
                 for sampled in (False, True):
                     *_, self.cache = self._chain(self.cache, *inputs, jnp.asarray(zeros),
@@ -478,8 +451,65 @@ class EagleProposer(_ModelProposer):
 
             return _draft_chain(draw_from, feed, feature, cache, limits, k, confidence)
 
+        tree_shape = config.tree
+        if tree_shape is not None:
+            self.catch_up_width = tree_shape.depth + 1  # a step accepts at most depth drafts
+            log_confidence = None if confidence is None else float(np.log(confidence))
+
+        def tree(params, vocab, cache, features, next_tokens, meta, limits):
+            m = bind(params)
+            predicted, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed,
+                                      cache, meta)
+            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+            h_root = jnp.take_along_axis(predicted, last[..., None], axis=1)[:, 0]
+            root = jnp.take_along_axis(next_tokens, last, axis=1)[:, 0]
+
+            def call_head(features, tokens, meta, cache):
+                return m.head(features, tokens, m.target.embed, cache, meta)
+
+            tokens, parents, scores, cache = draft_tree(
+                tree_shape, call_head, lambda h, k: top_children(m.target, vocab, h, k), cache,
+                h_root, root, meta.lengths, limits > 0, meta.page_tables)
+            n = tree_shape.num_nodes
+            counts = jnp.minimum(limits, n - 1)
+            if log_confidence is not None:
+                # Up to the last candidate the head is sure enough of; its ancestors are surer
+                # still, so the prefix holds every confident path.
+                sure = scores[:, 1:] >= log_confidence
+                counts = jnp.minimum(counts, jnp.max(jnp.where(sure, jnp.arange(1, n), 0), axis=1))
+            return tokens[:, 1:], parents, counts, cache
+
         self._forward_jit = jax.jit(forward, donate_argnums=1)
         self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(9, 10))
+        self._tree_jit = jax.jit(tree, donate_argnums=2)
+
+    def _tree(self, cache, features, next_tokens, meta, limits):
+        return self._tree_jit(self.params, self._vocab, cache, features, next_tokens, meta, limits)
+
+    def propose_tree(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int
+                     ) -> tuple[jax.Array, jax.Array, np.ndarray]:
+        """One tree per row (`RunnerConfig.tree`): candidates [rows, N-1] and parents [rows, N]
+        on device, and counts [rows] on the host, the candidates each row verifies: a prefix
+        of its tree (drafting order keeps a prefix a tree) of at most its limit, cut after its
+        last candidate whose path the head gives at least `confidence`. A row whose limit
+        leaves no room for the head's rows (`TreeShape.head_rows`, written after its last
+        token) drafts nothing."""
+        shape = self.config.tree
+        limits = [limit if limit + 1 >= shape.head_rows else 0 for limit in limits]
+        active = [i for i, limit in enumerate(limits) if limit > 0]
+        for i in active:
+            self._catch_up_long(seqs[i])
+        width = self.config.window_for(max(max(s.num_computed + 1, s.pages.capacity)
+                                           for s in seqs))
+        limits_arr = np.zeros(rows, np.int32)
+        limits_arr[:len(limits)] = limits
+        inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width,
+                                    np.where(limits_arr > 0, shape.head_rows, 0))
+        nodes, parents, counts, self.cache = self._tree(self.cache, *inputs,
+                                                        jax.device_put(limits_arr))
+        counts = np.asarray(counts)
+        self.proposed += int(counts.sum())
+        return nodes, parents, counts
 
     def _forward(self, cache, features, next_tokens, meta):
         return self._forward_jit(self.params, cache, features, next_tokens, meta)

@@ -6,7 +6,9 @@ sampled from a distribution, that distribution [rows, k, V] on device (None for 
 proposals, which the verifier treats as point masses). After the step it is told what each row
 emitted (and the target's final hidden states at the fed positions), and after each prefill
 chunk it sees that chunk's hidden states, so a proposer with state of its own can keep up.
-Model proposers (a draft model, an EAGLE head) are in `infer.spec.model_proposers`.
+Model proposers (a draft model, an EAGLE head) are in `infer.spec.model_proposers`. With a tree
+(`SpeculativeConfig.tree`, EAGLE only) the runner asks `propose_tree` instead: one candidate tree
+per row, verified with a tree mask (`EagleProposer.propose_tree`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""EAGLE-2-style tree speculation at batch 1 over contiguous KV caches, greedy or sampled.
+"""EAGLE-2-style tree speculation at batch 1 over contiguous KV caches, greedy or sampled (the
+engine runs trees at any batch over its paged cache: `SpeculativeConfig(tree=...)`).
 
 One step, after the target has cached x_0..x_{n-1} and emitted x_n (the *root*):
 
@@ -21,12 +22,8 @@ One step, after the target has cached x_0..x_{n-1} and emitted x_n (the *root*):
    over the accepted tokens would have written; the path's features become the head's next
    catch-up rows.
 
-How the head expands a tree: each level is one head call over *all* tree rows so far (BFS
-order, so they are a prefix of a fixed-size row block) with the same kind of tree mask the
-target uses, written to scratch slots after the head's committed ones. Recomputing the upper
-levels costs a few rows of one layer. Keeping them cached instead and adding one level per call
-would not work with one cache: the attention shows every cached slot before a call's first new
-row, siblings included, so each branch would need a cache of its own.
+The head's drafting (`draft_tree`, batched) lives in `infer.spec.tree_draft`, which the engine's
+EAGLE proposer shares.
 
 The target runs on the engine's `DeviceSteps`: its prompt goes through `prefill_step` (the
 program the simple loop runs, sampling the first token like it), and the tree programs take the
@@ -45,7 +42,6 @@ clamp onto other slots, silently.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable, Sequence
 
 import jax
@@ -59,78 +55,14 @@ from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import timed_generate
 from infer.model.binding import binding
 from infer.model.llama import Llama
-from infer.sampling import SamplingArrays, sampling_probs, verify_keys
-from infer.sampling_params import SamplingParams, is_integer
+from infer.sampling import SamplingArrays
+from infer.sampling_params import SamplingParams
 from infer.spec.eagle_head import EagleHead
-from infer.spec.model_proposers import DraftVocab, draft_logits, draft_vocab_rows
-from infer.spec.verify import path_tokens, tree_depth, verify_tree_greedy, verify_tree_sampled
+from infer.spec.draft_vocab import draft_vocab_rows
+from infer.spec.tree_draft import TreeShape, draft_tree, full_tree, top_children
+from infer.spec.verify import path_tokens, tree_depth, tree_structure, verify_tree
 
 Bind = Callable[[tuple], tuple[Llama, EagleHead]]
-
-
-def full_tree(branches: int, depth: int) -> np.ndarray:
-    """parents [N] of the complete `branches`-ary tree of `depth` levels below the root, in BFS
-    order: node i's children are branches*i + 1 .. branches*i + branches."""
-    if branches < 1 or depth < 1:
-        raise ValueError(f"need branches >= 1 and depth >= 1, got {branches}, {depth}")
-    n = sum(branches ** d for d in range(depth + 1))
-    return np.array([-1] + [(i - 1) // branches for i in range(1, n)], np.int32)
-
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-    depth = np.zeros(len(parents), np.int32)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return depth
-
-
-def tree_structure(parents: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
-    """depth [N] and the ancestor mask [N, N] (node j is node i or one of its ancestors) of a
-    tree given by parents [N] (-1 at the root; traced, e.g. a tree chosen on device) whose
-    nodes lie at most `max_depth` below the root."""
-    parents = jnp.asarray(parents, jnp.int32)
-    nodes = jnp.arange(parents.shape[-1], dtype=jnp.int32)
-    mask = nodes[:, None] == nodes[None, :]
-    depth = jnp.zeros_like(nodes)
-    up = nodes
-    for _ in range(max_depth):
-        above = parents[up]
-        live = above >= 0
-        depth += live
-        up = jnp.where(live, above, up)  # stays at the root once there
-        mask |= up[:, None] == nodes[None, :]
-    return depth, mask
-
-
-def dynamic_tree_size(branches: int, depth: int, width: int) -> tuple[list[int], int]:
-    """Of EAGLE-2's expansion (`TreeShape` with a budget): how many nodes are expanded at
-    levels 1..depth-1, and the number of candidates drafted in all."""
-    if branches < 1 or depth < 1 or width < 1:
-        raise ValueError(f"need branches, depth and width >= 1, got {branches}, {depth}, {width}")
-    expanded, level = [], branches
-    for _ in range(depth - 1):
-        expanded.append(min(width, level))
-        level = expanded[-1] * branches
-    return expanded, branches + branches * sum(expanded)
-
-
-def select_nodes(scores: jax.Array, cand_parents: jax.Array, budget: int
-                 ) -> tuple[jax.Array, jax.Array]:
-    """EAGLE-2's reranking: the `budget` candidates of highest score, as a tree.
-
-    scores [C] are cumulative log-probabilities (a child's is its parent's plus its own log p,
-    so never above its parent's), candidates in drafting order (a parent before its children),
-    cand_parents [C] the parent's candidate index (-1: the root). `lax.top_k` puts the lower
-    index first among equal scores, so the chosen set holds every chosen node's parent.
-    Returns the chosen candidates in drafting order, sel [budget], and the tree's parents
-    [budget + 1] over nodes (0: the root, node i: candidate sel[i - 1])."""
-    _, sel = jax.lax.top_k(scores, budget)
-    sel = jnp.sort(sel).astype(jnp.int32)
-    node_of = jnp.zeros(scores.shape[0], jnp.int32).at[sel].set(
-        jnp.arange(1, budget + 1, dtype=jnp.int32))
-    up = cand_parents[sel]
-    parents = jnp.where(up < 0, 0, node_of[jnp.maximum(up, 0)])
-    return sel, jnp.concatenate([jnp.full(1, -1, jnp.int32), parents])
 
 
 @jax.tree_util.register_dataclass
@@ -139,8 +71,7 @@ class SpecState:
     """Device state between steps. The target has cached `length` tokens; the head has
     committed slots 0..length-count-1, and `pending_*` [depth+1] hold its next catch-up rows,
     (feature h_s, token x_{s+1}) for s = length-count .. length-1, the last token being the root.
-    `sampled` is static (part of the tree structure), so greedy and sampled requests compile
-    their own verify rule and a greedy step pays nothing for the other."""
+    A greedy request's verify skips the sampled rule at run time (`verify_tree`)."""
 
     target_cache: KVCache
     head_cache: KVCache
@@ -150,91 +81,10 @@ class SpecState:
     count: jax.Array  # int32 scalar, valid pending rows (>= 1)
     sample_index: jax.Array  # int32 scalar, tokens emitted so far (the PRNG streams' index)
     sampling: SamplingArrays  # one row
-    sampled: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def root(self) -> jax.Array:
         return self.pending_tokens[self.count - 1]
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeShape:
-    """Which tree a step drafts. `budget=None`: the full `branches`-ary tree of `depth` levels
-    (`branches=1`: the chain). Otherwise EAGLE-2's dynamic tree: each level expands its `width`
-    (default `branches`) nodes of highest cumulative draft log-probability into their
-    top-`branches` children, `depth` levels deep, and the `budget` best of all the drafted
-    candidates are verified, so the tree's shape follows the draft's confidence step by step."""
-
-    branches: int
-    depth: int
-    budget: int | None = None
-    width: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.budget is None:
-            full_tree(self.branches, self.depth)  # validates
-            if self.width is not None:
-                raise ValueError("width is the dynamic tree's: give a budget too")
-            return
-        _, drafted = dynamic_tree_size(self.branches, self.depth, self.expand_width)
-        if not is_integer(self.budget) or not 1 <= self.budget <= drafted:
-            raise ValueError(f"budget must be an integer in [1, {drafted}] (the candidates a "
-                             f"{self.branches}-branch, {self.depth}-level expansion of width "
-                             f"{self.expand_width} drafts), got {self.budget!r}")
-
-    @property
-    def expand_width(self) -> int:
-        return self.branches if self.width is None else self.width
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes verified per step, the root included."""
-        if self.budget is None:
-            return len(full_tree(self.branches, self.depth))
-        return self.budget + 1
-
-    def __str__(self) -> str:
-        full = f"{self.branches}x{self.depth}"
-        if self.budget is None:
-            return full
-        return full + ("" if self.width is None else f"w{self.width}") + f"/{self.budget}"
-
-    @staticmethod
-    def parse(text: str) -> "TreeShape":
-        """The inverse of str: "BxD" (full tree), "BxD/N" or "BxDwW/N" (dynamic)."""
-        match = re.fullmatch(r"(\d+)x(\d+)(?:w(\d+))?(?:/(\d+))?", text.strip())
-        if match is None:
-            raise ValueError(f"a tree shape is BxD, BxD/N or BxDwW/N, got {text!r}")
-        branches, depth, width, budget = (None if g is None else int(g) for g in match.groups())
-        return TreeShape(branches, depth, budget, width)
-
-
-def _head_rows(target: Llama, head: EagleHead, cache: KVCache, length: jax.Array,
-               h_root: jax.Array, out: jax.Array, parent_rows: jax.Array, tokens: jax.Array,
-               valid: int, depth: int) -> tuple[jax.Array, KVCache]:
-    """One head call over tree rows [R] in drafting order (a parent before its children), the
-    first `valid` of them real. Row r holds a node's token and reads its parent's predicted
-    feature, out[parent_rows[r]] from the previous call (ĥ_n for a child of the root,
-    parent_rows -1); it sits at the position after its parent's and sees its ancestors' rows.
-    Returns the rows' predicted features [R, F] and the cache."""
-    row_depth, ancestors = tree_structure(
-        jnp.concatenate([jnp.full(1, -1, jnp.int32), parent_rows + 1]), depth)
-    features = jnp.where((parent_rows < 0)[:, None], h_root[None],
-                         out[jnp.maximum(parent_rows, 0)])
-    # A row of depth d is the head's row of the token at position length + d - 1.
-    meta = AttentionMetadata.for_tree(length[None], jnp.int32(valid)[None], row_depth[1:] - 1,
-                                      ancestors[None, 1:, 1:])
-    pred, cache = head(features[None], jnp.maximum(tokens, 0)[None], target.embed, cache, meta)
-    return pred[0], cache
-
-
-def _top_children(target: Llama, vocab: DraftVocab | None, hidden: jax.Array, k: int
-                  ) -> tuple[jax.Array, jax.Array]:
-    """The head's k likeliest next tokens after predicted features [..., F]: log-probabilities
-    and target ids [..., k], over the whole vocabulary or the draft vocabulary's rows only
-    (FR-Spec; any subset keeps verification exact, the candidates being point masses)."""
-    score, index = jax.lax.top_k(jax.nn.log_softmax(draft_logits(target, hidden, vocab)), k)
-    return score, (index if vocab is None else vocab[1][index]).astype(jnp.int32)
 
 
 def _tree_programs(bind: Bind, shape: TreeShape):
@@ -251,67 +101,17 @@ def _tree_programs(bind: Bind, shape: TreeShape):
                                 meta)
         return predicted[0, state.count - 1], cache
 
-    def full_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
-        """Every node's top-`branches` children, level by level."""
+    def draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
         (target, head), vocab = bind(params), params[2]
-        branches = shape.branches
-        parents = full_tree(branches, depth)
-        node_depth = _depths(parents)
-        # Head rows: nodes of depth 1..depth-1 (nodes 1..rows), the ones that have children.
-        rows = int((node_depth[1:] < depth).sum())
-        parent_rows = jnp.asarray(parents[1:rows + 1] - 1)
         h_root, cache = catch_up(target, head, state)
-        tokens = jnp.full(n, -1, jnp.int32).at[0].set(state.root)
-        _, first = _top_children(target, vocab, h_root, branches)
-        tokens = tokens.at[1:1 + branches].set(first)
-        out = jnp.zeros((rows, h_root.shape[-1]), jnp.float32)
-        for level in range(2, depth + 1):
-            lo, hi = int((node_depth < level - 1).sum()), int((node_depth < level).sum())
-            out, cache = _head_rows(target, head, cache, state.length, h_root, out,
-                                    parent_rows, tokens[1:rows + 1], hi - 1, depth)
-            _, kids = _top_children(target, vocab, out[lo - 1:hi - 1], branches)
-            tokens = tokens.at[branches * lo + 1:branches * hi + 1].set(kids.reshape(-1))
-        return tokens, jnp.asarray(parents), cache
 
-    def dynamic_draft(params, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
-        """EAGLE-2: expand the best `width` candidates of each level (by cumulative log p),
-        then keep the best `budget` of all candidates. Candidates are kept in drafting order,
-        the head's rows (the expanded candidates) likewise."""
-        (target, head), vocab = bind(params), params[2]
-        k = shape.branches
-        expanded, drafted = dynamic_tree_size(k, depth, shape.expand_width)
-        rows = sum(expanded)
-        h_root, cache = catch_up(target, head, state)
-        score, token = _top_children(target, vocab, h_root, k)
-        cand_tokens = jnp.zeros(drafted, jnp.int32).at[:k].set(token)
-        cand_scores = jnp.zeros(drafted, jnp.float32).at[:k].set(score)
-        cand_parents = jnp.full(drafted, -1, jnp.int32)
-        row_of = jnp.full(drafted, -1, jnp.int32)  # the head row expanding a candidate
-        parent_rows = jnp.full(rows, -1, jnp.int32)
-        row_tokens = jnp.zeros(rows, jnp.int32)
-        out = jnp.zeros((rows, h_root.shape[-1]), jnp.float32)
-        level_lo, level_size, row_lo, cand_end = 0, k, 0, k
-        for m in expanded:
-            _, pick = jax.lax.top_k(cand_scores[level_lo:level_lo + level_size], m)
-            pick = (level_lo + pick).astype(jnp.int32)
-            here = jnp.arange(row_lo, row_lo + m, dtype=jnp.int32)
-            row_of = row_of.at[pick].set(here)
-            up = cand_parents[pick]
-            parent_rows = parent_rows.at[here].set(
-                jnp.where(up < 0, -1, row_of[jnp.maximum(up, 0)]))
-            row_tokens = row_tokens.at[here].set(cand_tokens[pick])
-            out, cache = _head_rows(target, head, cache, state.length, h_root, out,
-                                    parent_rows, row_tokens, row_lo + m, depth)
-            score, token = _top_children(target, vocab, out[row_lo:row_lo + m], k)
-            new = slice(cand_end, cand_end + m * k)
-            cand_tokens = cand_tokens.at[new].set(token.reshape(-1))
-            cand_scores = cand_scores.at[new].set(
-                (cand_scores[pick][:, None] + score).reshape(-1))
-            cand_parents = cand_parents.at[new].set(jnp.repeat(pick, k))
-            level_lo, level_size = cand_end, m * k
-            row_lo, cand_end = row_lo + m, cand_end + m * k
-        sel, parents = select_nodes(cand_scores, cand_parents, shape.budget)
-        return jnp.concatenate([state.root[None], cand_tokens[sel]]), parents, cache
+        def call_head(features, tokens, meta, cache):
+            return head(features, tokens, target.embed, cache, meta)
+
+        tokens, parents, _, cache = draft_tree(
+            shape, call_head, lambda h, k: top_children(target, vocab, h, k), cache,
+            h_root[None], state.root[None], state.length[None], jnp.ones(1, bool))
+        return tokens[0], parents[0], cache
 
     def verify(params, state: SpecState, tokens: jax.Array, parents: jax.Array
                ) -> tuple[SpecState, jax.Array, jax.Array]:
@@ -323,14 +123,8 @@ def _tree_programs(bind: Bind, shape: TreeShape):
                                           ancestors[None])
         logits, hidden, cache = target(tokens[None], state.target_cache, meta,
                                        feature_layers=head.feature_layers)
-        if state.sampled:
-            keys = verify_keys(state.sampling.seeds, state.sample_index[None])
-            path, accepted, nxt = verify_tree_sampled(sampling_probs(logits, state.sampling),
-                                                      tokens[None], parents[None], keys,
-                                                      max_depth=depth)
-        else:
-            path, accepted, nxt = verify_tree_greedy(logits, tokens[None], parents[None],
-                                                     max_depth=depth)
+        path, accepted, nxt = verify_tree(logits, tokens[None], parents[None], state.sampling,
+                                          state.sample_index[None], depth)
         emitted = path_tokens(tokens[None], path, accepted, nxt)[0]
         cache = compact(cache, state.length, path[0])
         keep = jnp.arange(width) <= accepted[0]
@@ -340,8 +134,6 @@ def _tree_programs(bind: Bind, shape: TreeShape):
             pending_features=features, pending_tokens=jnp.where(keep, emitted, 0),
             count=accepted[0] + 1, sample_index=state.sample_index + accepted[0] + 1
         ), emitted, accepted[0]
-
-    draft = full_draft if shape.budget is None else dynamic_draft
 
     def step(params, state):
         tokens, parents, head_cache = draft(params, state)
@@ -355,7 +147,7 @@ def _tree_programs(bind: Bind, shape: TreeShape):
 def _head_prefill_program(bind: Bind, depth: int, max_len: int):
     """Jitted: the head over the prompt's true features, and the state after the prompt."""
 
-    def prefill(params, target_cache, hidden, tokens, length, first, sampling, sampled):
+    def prefill(params, target_cache, hidden, tokens, length, first, sampling):
         """hidden [1, P, E] and tokens [1, P] of the target's prefill (padded past `length`),
         its first token `first` [1]."""
         target, head = bind(params)
@@ -369,10 +161,9 @@ def _head_prefill_program(bind: Bind, depth: int, max_len: int):
         return SpecState(target_cache=target_cache, head_cache=head_cache, length=length,
                          pending_features=features,
                          pending_tokens=jnp.zeros(width, jnp.int32).at[0].set(first[0]),
-                         count=jnp.int32(1), sample_index=jnp.int32(1), sampling=sampling,
-                         sampled=sampled)
+                         count=jnp.int32(1), sample_index=jnp.int32(1), sampling=sampling)
 
-    return jax.jit(prefill, donate_argnums=1, static_argnums=7)
+    return jax.jit(prefill, donate_argnums=1)
 
 
 class TreeSpeculator:
@@ -434,7 +225,7 @@ class TreeSpeculator:
         first, _, hidden, cache = self.steps.prefill_step(cache, tokens, meta, arrays,
                                                           jnp.zeros(1, jnp.int32))
         return self._head_prefill(self.params, cache, hidden, tokens, jnp.int32(n), first,
-                                  arrays, not sampling.greedy)
+                                  arrays)
 
     def _check_room(self, state: SpecState) -> None:
         """Draft, verify and step write slots [length, length + N) of both caches (the head's

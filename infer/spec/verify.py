@@ -141,6 +141,24 @@ def tree_depth(parents) -> int:
     return int(depth.max())
 
 
+def tree_structure(parents: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """depth [N] and the ancestor mask [N, N] (node j is node i or one of its ancestors) of a
+    tree given by parents [N] (-1 at the root; traced, e.g. a tree chosen on device) whose
+    nodes lie at most `max_depth` below the root."""
+    parents = jnp.asarray(parents, jnp.int32)
+    nodes = jnp.arange(parents.shape[-1], dtype=jnp.int32)
+    mask = nodes[:, None] == nodes[None, :]
+    depth = jnp.zeros_like(nodes)
+    up = nodes
+    for _ in range(max_depth):
+        above = parents[up]
+        live = above >= 0
+        depth += live
+        up = jnp.where(live, above, up)  # stays at the root once there
+        mask |= up[:, None] == nodes[None, :]
+    return depth, mask
+
+
 def _walk(choose, row_args, tree_tokens, parents, max_depth):
     """Per row: at the current node take the target's token x = choose(*row_args, node, step);
     move to the first child whose token is x, or stop and emit x. max_depth+1 steps, the last one
@@ -203,3 +221,22 @@ def verify_chain(logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Arra
 
     return jax.lax.cond(jnp.any(sampling.temperature > 0), sampled,
                         lambda _: (n_greedy, greedy), None)
+
+
+def verify_tree(logits: jax.Array, tree_tokens: jax.Array, parents: jax.Array,
+                sampling: SamplingArrays, sample_index: jax.Array, max_depth: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`verify_chain` for trees, one per row (tokens and parents [B, N], node 0 the root, -1
+    tokens never accepted): greedy rows walk the target's argmax, sampled rows the tree rule
+    against their sampling distribution with the verify stream's key of `sample_index` [B].
+    Returns path [B, max_depth+1], num_accepted [B], next_token [B] (`verify_tree_greedy`)."""
+    greedy = verify_tree_greedy(logits, tree_tokens, parents, max_depth)
+
+    def sampled(_):
+        drawn = verify_tree_sampled(sampling_probs(logits, sampling), tree_tokens, parents,
+                                    verify_keys(sampling.seeds, sample_index), max_depth)
+        use = sampling.temperature > 0
+        return tuple(jnp.where(use.reshape(-1, *[1] * (a.ndim - 1)), a, g)
+                     for a, g in zip(drawn, greedy))
+
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, lambda _: greedy, None)

@@ -16,6 +16,9 @@ from experiments import speculation
 from experiments.common import read_jsonl
 from infer.model.config import get_config
 from infer.model.llama import Llama
+from infer.spec.eagle_head import save_eagle
+from infer.spec.tree_draft import TreeShape
+from tests.spec.oracle import oracle_models
 
 CONFIG = get_config("tiny")
 
@@ -123,3 +126,27 @@ def test_repetitive_prompts_repeat_their_instruction() -> None:
     for i, text in enumerate(texts):
         instruction = RECORD_TEMPLATES[i % 2].split("\n\n")[0]
         assert text.startswith(instruction) and "{" not in text
+
+
+def test_engine_trees_run_beside_the_chains(tmp_path) -> None:
+    """--engine_trees: each tree runs through the serving engine as method eagle's row with a
+    tree column, its greedy output the baseline's, its counts the engine's own."""
+    target, head = oracle_models(CONFIG)
+    path = str(tmp_path / "eagle.safetensors")
+    save_eagle(head, path)
+    rng = np.random.default_rng(1)
+    chat = [rng.integers(0, CONFIG.vocab_size, 20).tolist() for _ in range(2)]
+    rows = speculation.run(
+        parts=["engine"], methods=["eagle"], ks=[1], engine_trees=["2x2", "3x3/6"],
+        temperatures=[0.0], batch_sizes=[2], num_prompts=2, max_tokens=16, snippet_chars=200,
+        warmup="pass", tree_branches=2, tree_depth=1, tree_prompts=1, random_head=True, seed=0,
+        out=str(tmp_path / "speculation.jsonl"), loaded=(target.config, target, None),
+        prompts={"chat": chat}, eagle_path=path)
+    trees = {r["tree"]: r for r in rows if r.get("tree")}
+    assert set(trees) == {"2x2", "3x3/6"}
+    assert [r["k"] for r in trees.values()] == [6, 6]  # candidates verified at most
+    for r in trees.values():
+        assert r["greedy_identical"] == 1.0 and r["programs_built_while_timed"] == 0
+        assert 1.0 < r["tokens_per_verify"] <= 1 + TreeShape.parse(r["tree"]).depth
+        assert r["engine_stats"]["proposed"] == r["proposed"]
+        assert r["engine_stats"]["accepted"] == r["accepted"]

@@ -15,7 +15,8 @@ from infer.model.config import get_config
 from infer.sampling import SamplingArrays
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
-from infer.spec.model_proposers import _draw_draft, load_draft_vocab
+from infer.spec.draft_vocab import load_draft_vocab
+from infer.spec.model_proposers import _draw_draft
 from tests.spec.proposals import record_proposals
 
 TINY = get_config("tiny")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,7 +28,8 @@ from infer.model.config import get_config
 from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
-from infer.spec.verify import verify_sampled
+from infer.sampling import inverse_cdf_pick
+from infer.spec.verify import verify_sampled, verify_tree_sampled
 from tests.spec.joint_law import chi_square_pvalue, exact_joint
 
 TINY = get_config("tiny")
@@ -129,3 +131,45 @@ def test_a_confidence_stop_keeps_the_joint_law(tiny_model, exact_law) -> None:
     # Stopped: fewer drafts per request than without the stop (the seeds are the same).
     assert spec_stats["proposed"] < 0.95 * 4 * full_stats["proposed"], (spec_stats, full_stats)
     assert chi_square_pvalue(counts, exact_law) > 1e-3
+
+
+@pytest.fixture
+def tree_spec(exact_law, tiny_weights, tmp_path) -> SpeculativeConfig:
+    """A 2 x 2 EAGLE tree (the random head) whose draft vocabulary is 6 and 183, two of the
+    target's likely tokens here: every node's two children are those two, so a row's
+    candidates (two here: max_tokens leaves room for two) are siblings, tried one after the
+    other."""
+    support = {t for outcome in exact_law for t in outcome}
+    filler = [t for t in range(TINY.vocab_size) if t not in support]
+    path = str(tmp_path / "ranking.npy")
+    np.save(path, np.asarray([6, 183] + filler, np.int32))
+    return SpeculativeConfig("eagle", eagle_path=tiny_weights["eagle"], tree="2x2",
+                             draft_vocab_size=2, draft_vocab_path=path)
+
+
+def test_an_engine_tree_keeps_the_joint_law(tiny_model, exact_law, tree_spec) -> None:
+    counts, spec_stats = sample_joint(tiny_model, tree_spec, NUM_REQUESTS)
+    assert 0 < spec_stats["accepted"] < spec_stats["rows"], spec_stats
+    # Both siblings in most rows (one where a single token is left to draft).
+    assert 1.5 * spec_stats["rows"] < spec_stats["proposed"] <= 2 * spec_stats["rows"], spec_stats
+    assert chi_square_pvalue(counts, exact_law) > 1e-3
+
+
+def emit_from_p(target_probs, tree_tokens, parents, key, max_depth=None):
+    """Wrong: where the walk stops, the emitted token is a fresh draw from the target's p at
+    that node instead of the draw that matched no child, so tokens that are children get
+    emitted after being rejected (the tree form of resampling from p, not the residual)."""
+    path, accepted, _ = verify_tree_sampled(target_probs, tree_tokens, parents, key, max_depth)
+    last = jnp.take_along_axis(path, accepted[:, None], axis=1)[:, 0]
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), minval=1e-30))(key)
+    probs = jnp.take_along_axis(target_probs, last[:, None, None], axis=1)[:, 0]
+    return path, accepted, inverse_cdf_pick(u, probs)
+
+
+def test_a_wrong_tree_rule_fails(tiny_model, exact_law, tree_spec, monkeypatch) -> None:
+    # verify_tree looks verify_tree_sampled up in its module when the engine's tree verify
+    # step is first traced.
+    monkeypatch.setattr(infer.spec.verify, "verify_tree_sampled", emit_from_p)
+    counts, spec_stats = sample_joint(tiny_model, tree_spec, NUM_REQUESTS)
+    assert spec_stats["proposed"] > 0
+    assert chi_square_pvalue(counts, exact_law) < 1e-6

@@ -25,14 +25,15 @@ from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import generate
-from infer.io.tensors import assign_params, named_params
 from infer.model.config import get_config
 from infer.model.llama import Llama
 from infer.sampling_params import SamplingParams
 from infer.spec.eagle_head import EagleHead, from_eagle1
-from infer.spec.tree import (TreeShape, TreeSpeculator, eagle_generate, full_tree, select_nodes,
-                             tree_generate, tree_structure)
+from infer.spec.tree import TreeSpeculator, eagle_generate, tree_generate
+from infer.spec.tree_draft import TreeShape, full_tree, select_nodes
+from infer.spec.verify import tree_structure
 from tests.spec.joint_law import chi_square_pvalue, exact_joint
+from tests.spec.oracle import oracle_models
 
 CONFIG = get_config("tiny")
 
@@ -48,22 +49,9 @@ def tiny() -> tuple[Llama, EagleHead]:
 
 @pytest.fixture(scope="module")
 def oracle() -> tuple[Llama, EagleHead]:
-    """A one-layer target with damped attention and a head that copies its layer: the head's
-    ĥ(h, x) is close to the target's feature of x, so most drafts are accepted and every
-    part of a step (deep paths, compaction, the head's catch-up) is exercised."""
-    config = CONFIG.replace(num_layers=1)
-    target = Llama(config, jnp.float32, nnx.Rngs(2))
-    target.embed.set_value(target.embed.get_value() * 0.05)
-    o_proj = target.layers[0].attn.o_proj
-    o_proj.set_value(o_proj.get_value() * 0.05)
-    head = EagleHead(config, jnp.float32, nnx.Rngs(3))
-    layer = {k[len("layers.0."):]: v for k, v in named_params(target).items()
-             if k.startswith("layers.0.")}
-    assign_params(head.layer, layer)
-    assign_params(head.norm, {"weight": target.norm.weight.get_value()})
-    e = config.hidden_size
-    head.fc.set_value(jnp.concatenate([jnp.zeros((e, e)), jnp.eye(e)]))
-    return target, head
+    """A head that agrees with its target (`tests.spec.oracle`), so that most drafts are
+    accepted and every part of a step (deep paths, compaction, the head's catch-up) runs."""
+    return oracle_models(CONFIG)
 
 
 @pytest.fixture(scope="module")

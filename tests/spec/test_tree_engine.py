@@ -1,0 +1,193 @@
+"""EAGLE trees in the serving engine (`SpeculativeConfig(tree=...)`), at batch > 1 over the paged
+cache: greedy outputs are plain decoding's (with preemption, prefix caching, a confidence stop),
+each row's drafted tree is the one the batch-1 speculator drafts for it alone, and after every
+step the pages hold exactly the KV a plain pass over the accepted tokens writes (the accepted
+path compacted in place). Sampled trees keep the target's law: tests/spec/
+test_speculative_sampling_engine.py."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infer.cache.contiguous import KVCache
+from infer.cache.metadata import AttentionMetadata
+from infer.engine.device_steps import DeviceSteps
+from infer.engine.engine import Engine, EngineConfig
+from infer.model.config import get_config
+from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig
+from infer.spec.eagle_head import save_eagle
+from infer.spec.tree import TreeSpeculator
+from infer.spec.tree_draft import TreeShape
+from tests.spec.oracle import oracle_models
+
+CONFIG = get_config("tiny")
+# Full, chain, and dynamic trees, one of them with fewer verified nodes than head rows.
+TREES = ["2x2", "1x3", "3x3/6", "4x3w2/5"]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    target, head = oracle_models(CONFIG)
+    path = str(tmp_path_factory.mktemp("oracle") / "eagle.safetensors")
+    save_eagle(head, path)
+    return target, head, path
+
+
+def prompts(seed: int, n: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, CONFIG.vocab_size, rng.integers(3, 30)).tolist() for _ in range(n)]
+
+
+def serve(target, spec, requests, params, **overrides):
+    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
+                  speculative=spec)
+    config.update(overrides)
+    engine = Engine(target, None, EngineConfig(**config))
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in requests]
+    engine.run_until_done()
+    engine.allocator.check_invariants()
+    if not config.get("enable_prefix_caching"):
+        assert engine.allocator.num_free() == engine.allocator.num_pages
+    outputs = [engine.output(i) for i in ids]
+    return [o.token_ids for o in outputs], {
+        **engine.speculative_stats(),
+        "preemptions": sum(o.metrics.num_preemptions for o in outputs)}
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trees_keep_greedy_outputs(oracle, tree, seed) -> None:
+    """Greedy outputs equal plain decoding's, with pages to spare, with so few pages that
+    requests are preempted, and with prefix caching (prompts sharing a prefix)."""
+    target, _, path = oracle
+    requests = prompts(seed)
+    requests.append(requests[0][:8] + [7, 7])  # shares its first two pages with request 0
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = SpeculativeConfig("eagle", eagle_path=path, tree=tree)
+    for overrides in ({}, {"num_pages": 16}, {"enable_prefix_caching": True}):
+        plain, _ = serve(target, None, requests, greedy, **overrides)
+        out, stats = serve(target, spec, requests, greedy, **overrides)
+        assert out == plain, (tree, overrides)
+        # The oracle head agrees with the target: deep paths get accepted.
+        assert stats["tokens_per_verify"] > 1.5, (tree, overrides, stats)
+        assert (stats["preemptions"] > 0) == ("num_pages" in overrides), (tree, stats)
+
+
+def test_a_confidence_stop_trims_trees_and_keeps_outputs(oracle) -> None:
+    """With draft_confidence a row verifies its tree only up to its last candidate the head is
+    sure enough of: fewer candidates than without the stop, and the same greedy output."""
+    target, _, path = oracle
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    requests = prompts(2)
+    full_spec = SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6")
+    plain, _ = serve(target, None, requests, greedy)
+    _, full = serve(target, full_spec, requests, greedy)
+    # The oracle's draft probabilities are flat (its embeddings are damped): a first child's
+    # is about 1% over the 512-token vocabulary, so a stop at 0.5% cuts the trees' deeper nodes.
+    out, stopped = serve(target, SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6",
+                                                   draft_confidence=0.005), requests, greedy)
+    assert out == plain
+    assert 0 < stopped["proposed"] < full["proposed"] * 0.9, (stopped, full)
+
+
+def test_each_rows_tree_is_the_batch_one_speculators(oracle) -> None:
+    """The engine drafts a batch of trees over the paged cache; each row's first tree equals,
+    token for token and parent for parent, the one the batch-1 speculator drafts for that
+    prompt alone over a contiguous cache."""
+    target, head, path = oracle
+    shape = TreeShape.parse("3x3/6")
+    engine = Engine(target, None, EngineConfig(
+        max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
+        speculative=SpeculativeConfig("eagle", eagle_path=path, tree=str(shape))))
+    proposer = engine.runner.proposer
+    propose_tree = proposer.propose_tree
+    first_trees: dict[str, tuple[list[int], list[int]]] = {}
+    batch_sizes = []
+
+    def recording(seqs, limits, rows):
+        nodes, parents, counts = propose_tree(seqs, limits, rows)
+        nodes, parents = np.asarray(nodes), np.asarray(parents)
+        batch_sizes.append(int((counts > 0).sum()))
+        for i, seq in enumerate(seqs):
+            if counts[i] and seq.request.request_id not in first_trees:
+                assert len(seq.request.output_ids) == 1
+                first_trees[seq.request.request_id] = (nodes[i].tolist(), parents[i].tolist())
+        return nodes, parents, counts
+
+    proposer.propose_tree = recording
+    requests = prompts(3, 4)
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=24))
+           for p in requests]
+    engine.run_until_done()
+    assert max(batch_sizes) > 1  # trees were drafted for several rows at once
+    speculator = TreeSpeculator(DeviceSteps(target), head, shape.branches, shape.depth, 128,
+                                shape.budget, shape.width)
+    for request_id, prompt in zip(ids, requests):
+        state = speculator.prefill(prompt)
+        tokens, parents, _ = speculator.draft(state)
+        want = (np.asarray(tokens)[1:].tolist(), np.asarray(parents).tolist())
+        assert first_trees[request_id] == want, request_id
+
+
+def test_compaction_leaves_the_cache_as_plain_decoding_would(oracle) -> None:
+    """After every step each running request holds exactly the pages its accepted tokens need,
+    and the KV in them equals a plain forward over those tokens: the accepted path's nodes
+    moved from their tree slots to consecutive ones, the rest dropped."""
+    target, _, path = oracle
+    config = target.config
+    max_len = 64
+    engine = Engine(target, None, EngineConfig(
+        max_num_seqs=3, max_prefill_tokens=16, max_model_len=max_len, page_size=4,
+        speculative=SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6")))
+
+    @jax.jit
+    def plain_kv(tokens: jax.Array, n: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+        cache = KVCache.create(config.num_layers, 1, max_len, config.num_kv_heads,
+                               config.head_dim)
+        _, _, cache = target(tokens[None], cache, AttentionMetadata.for_prefill(n[None], max_len))
+        return [k[0] for k in cache.k], [v[0] for v in cache.v]
+
+    for i, p in enumerate(prompts(4, 3)):
+        engine.add_request(prompt_token_ids=p, params=SamplingParams(
+            max_tokens=30, temperature=0.0 if i else 1.0, seed=i, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            n = seq.num_computed
+            assert len(seq.pages.pages) == math.ceil(n / 4)
+            if n == 0:
+                continue
+            tokens = np.zeros(max_len, np.int32)
+            tokens[:n] = seq.request.all_token_ids[:n]
+            keys, values = plain_kv(jnp.asarray(tokens), jnp.asarray(n, jnp.int32))
+            slots = np.array([seq.pages.slot(t) for t in range(n)])
+            for layer in range(config.num_layers):
+                for pools, plain in ((engine.runner.cache.k, keys), (engine.runner.cache.v, values)):
+                    pool = np.asarray(pools[layer])  # [P, K, G, D]
+                    paged = pool.swapaxes(1, 2).reshape(-1, *pool.shape[1::2])[slots]
+                    want = np.asarray(plain[layer])[:, :n].transpose(1, 0, 2)
+                    np.testing.assert_allclose(paged, want, atol=1e-5)
+            checked += 1
+    stats = engine.speculative_stats()
+    assert checked > 10 and stats["tokens_per_verify"] > 1.5, stats
+
+
+def test_tree_configs_are_checked(oracle) -> None:
+    target, _, path = oracle
+    with pytest.raises(ValueError, match="EAGLE head"):
+        SpeculativeConfig("ngram", tree="2x2")
+    with pytest.raises(ValueError, match="tree shape"):
+        SpeculativeConfig("eagle", eagle_path=path, tree="2by2")
+    with pytest.raises(ValueError, match="budget"):
+        SpeculativeConfig("eagle", eagle_path=path, tree="2x2/7")
+    with pytest.raises(ValueError, match="int4_kivi"):
+        Engine(target, None, EngineConfig(
+            max_num_seqs=2, max_model_len=64, page_size=16, kv_cache_dtype="int4_kivi",
+            speculative=SpeculativeConfig("eagle", eagle_path=path, tree="2x2")))
