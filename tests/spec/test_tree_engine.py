@@ -79,6 +79,19 @@ def test_trees_keep_greedy_outputs(oracle, tree, seed) -> None:
         assert (stats["preemptions"] > 0) == ("num_pages" in overrides), (tree, stats)
 
 
+def test_trees_through_the_pallas_kernels(oracle) -> None:
+    """The Pallas backend (interpreted on CPU) reads the trees' masks in the target's verify and
+    the head's draft rows: greedy output is the reference backend's plain decoding."""
+    target, _, path = oracle
+    requests = prompts(0, 3)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain, _ = serve(target, None, requests, greedy)
+    out, stats = serve(target, SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6"),
+                       requests, greedy, attention_backend="pallas")
+    assert out == plain
+    assert stats["tokens_per_verify"] > 1.5, stats
+
+
 def test_a_confidence_stop_trims_trees_and_keeps_outputs(oracle) -> None:
     """With draft_confidence a row verifies its tree only up to its last candidate the head is
     sure enough of: fewer candidates than without the stop, and the same greedy output."""
