@@ -401,8 +401,7 @@ class Runner:
             tokens[i, 0] = s.request.last_token_id
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
             sample_index[i] = len(s.request.output_ids)
-        width = self.config.window_for(
-            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        width = self._verify_window(seqs, cached + q_lens)
         self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None))
         start = time.perf_counter()
         tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
@@ -411,6 +410,17 @@ class Runner:
             self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
             sampling, index)
         self.times.inputs_s += time.perf_counter() - start
+        return self._accepted(seqs, counts, accepted, emitted, hidden)
+
+    def _verify_window(self, seqs: Sequence[SeqState], ends: np.ndarray) -> int:
+        """The page-table width of a verify step whose rows write up to `ends` [rows]; pages
+        reserved past them count too (the table holds them)."""
+        return self.config.window_for(max(int(ends.max()), max(s.pages.capacity for s in seqs)))
+
+    def _accepted(self, seqs: Sequence[SeqState], counts: np.ndarray, accepted: jax.Array,
+                  emitted: jax.Array, hidden: jax.Array) -> tuple[Emitted, EmittedLogprobs]:
+        """A verify step's tokens per row (its accepted drafts, then the target's own), once
+        the device has them; counted, and handed to the proposer with the path's features."""
         accepted, emitted = self._wait(accepted), self._wait(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
         self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
@@ -429,8 +439,7 @@ class Runner:
         n = shape.num_nodes
         roots, cached, q_lens, sample_index = self._decode_rows(seqs, rows)
         q_lens[:len(seqs)] += counts[:len(seqs)]
-        width = self.config.window_for(
-            max(int((cached + q_lens).max()), max(s.pages.capacity for s in seqs)))
+        width = self._verify_window(seqs, cached + q_lens)
         self._first_use(Shape("tree", rows, n, width))
         start = time.perf_counter()
         _, meta, sampling, index = self._inputs(seqs, np.zeros((rows, n), np.int32), cached,
@@ -439,11 +448,7 @@ class Runner:
             self.cache, jax.device_put(roots), nodes, parents, meta, sampling, index,
             shape.depth)
         self.times.inputs_s += time.perf_counter() - start
-        accepted, emitted = self._wait(accepted), self._wait(emitted)
-        out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
-        self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
-        self.proposer.commit(seqs, out, hidden)
-        return out, None
+        return self._accepted(seqs, counts, accepted, emitted, hidden)
 
 
     # -- compilation ----------------------------------------------------------------------------

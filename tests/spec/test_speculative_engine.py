@@ -5,20 +5,16 @@ would have written, and no page past the accepted length stays taken)."""
 
 from __future__ import annotations
 
-import math
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.cache.contiguous import KVCache
-from infer.cache.metadata import AttentionMetadata
 from infer.engine.engine import Engine, EngineConfig
 from infer.model.config import get_config
 from infer.sampling_params import SamplingParams
 from infer.spec.config import WEIGHTS_DIR, SpeculativeConfig
+from tests.spec.plain_kv import run_checking_pages
 
 TINY = get_config("tiny")
 
@@ -82,39 +78,13 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weig
     drafts are mostly rejected; on this tiny model the random draft's are mostly accepted.)"""
     spec = SpeculativeConfig(method, 4, draft_path=tiny_weights["draft"],
                              eagle_path=tiny_weights["eagle"])
-    max_len = 64
     engine = Engine(tiny_model, None, EngineConfig(
-        max_num_seqs=2, max_prefill_tokens=16, max_model_len=max_len, page_size=4,
+        max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4,
         speculative=spec))
-
-    @jax.jit
-    def plain_keys(tokens: jax.Array, n: jax.Array) -> list[jax.Array]:
-        """Keys [K, max_len, D] per layer of one plain forward over the first n of tokens
-        (one shape for every n: an eager forward compiled anew at each length)."""
-        cache = KVCache.create(TINY.num_layers, 1, max_len, TINY.num_kv_heads, TINY.head_dim)
-        _, _, cache = tiny_model(tokens[None], cache,
-                                 AttentionMetadata.for_prefill(n[None], max_len))
-        return [k[0] for k in cache.k]
-
     for p, temperature in (([7, 3, 9, 1, 2] * 3, 0.0), ([4, 4, 8, 1] * 2, 1.5)):
         engine.add_request(prompt_token_ids=p, params=SamplingParams(
             max_tokens=24, temperature=temperature, seed=1, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            n = seq.num_computed
-            assert len(seq.pages.pages) == math.ceil(n / 4)
-            if n == 0:
-                continue
-            tokens = np.zeros(max_len, np.int32)
-            tokens[:n] = seq.request.all_token_ids[:n]
-            plain = plain_keys(jnp.asarray(tokens), jnp.asarray(n, jnp.int32))
-            slots = np.array([seq.pages.slot(t) for t in range(n)])
-            for layer in range(TINY.num_layers):
-                pool = np.asarray(engine.runner.cache.k[layer])  # [P, K, G, D]
-                paged = pool.swapaxes(1, 2).reshape(-1, *pool.shape[1::2])[slots]  # [n, K, D]
-                want = np.asarray(plain[layer])[:, :n].transpose(1, 0, 2)  # [K, n, D] -> [n, K, D]
-                np.testing.assert_allclose(paged, want, atol=1e-5)
+    assert run_checking_pages(engine, tiny_model) > 10
     stats = engine.speculative_stats()
     if method == "eagle":
         assert stats["accepted"] < stats["proposed"] / 2  # rejections rolled back

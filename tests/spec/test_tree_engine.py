@@ -7,15 +7,10 @@ test_speculative_sampling_engine.py."""
 
 from __future__ import annotations
 
-import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.cache.contiguous import KVCache
-from infer.cache.metadata import AttentionMetadata
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.engine import Engine, EngineConfig
 from infer.model.config import get_config
@@ -25,6 +20,7 @@ from infer.spec.eagle_head import save_eagle
 from infer.spec.tree import TreeSpeculator
 from infer.spec.tree_draft import TreeShape
 from tests.spec.oracle import oracle_models
+from tests.spec.plain_kv import run_checking_pages
 
 CONFIG = get_config("tiny")
 # Full, chain, and dynamic trees, one of them with fewer verified nodes than head rows.
@@ -153,41 +149,13 @@ def test_compaction_leaves_the_cache_as_plain_decoding_would(oracle) -> None:
     and the KV in them equals a plain forward over those tokens: the accepted path's nodes
     moved from their tree slots to consecutive ones, the rest dropped."""
     target, _, path = oracle
-    config = target.config
-    max_len = 64
     engine = Engine(target, None, EngineConfig(
-        max_num_seqs=3, max_prefill_tokens=16, max_model_len=max_len, page_size=4,
+        max_num_seqs=3, max_prefill_tokens=16, max_model_len=64, page_size=4,
         speculative=SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6")))
-
-    @jax.jit
-    def plain_kv(tokens: jax.Array, n: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-        cache = KVCache.create(config.num_layers, 1, max_len, config.num_kv_heads,
-                               config.head_dim)
-        _, _, cache = target(tokens[None], cache, AttentionMetadata.for_prefill(n[None], max_len))
-        return [k[0] for k in cache.k], [v[0] for v in cache.v]
-
     for i, p in enumerate(prompts(4, 3)):
         engine.add_request(prompt_token_ids=p, params=SamplingParams(
             max_tokens=30, temperature=0.0 if i else 1.0, seed=i, ignore_eos=True))
-    checked = 0
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            n = seq.num_computed
-            assert len(seq.pages.pages) == math.ceil(n / 4)
-            if n == 0:
-                continue
-            tokens = np.zeros(max_len, np.int32)
-            tokens[:n] = seq.request.all_token_ids[:n]
-            keys, values = plain_kv(jnp.asarray(tokens), jnp.asarray(n, jnp.int32))
-            slots = np.array([seq.pages.slot(t) for t in range(n)])
-            for layer in range(config.num_layers):
-                for pools, plain in ((engine.runner.cache.k, keys), (engine.runner.cache.v, values)):
-                    pool = np.asarray(pools[layer])  # [P, K, G, D]
-                    paged = pool.swapaxes(1, 2).reshape(-1, *pool.shape[1::2])[slots]
-                    want = np.asarray(plain[layer])[:, :n].transpose(1, 0, 2)
-                    np.testing.assert_allclose(paged, want, atol=1e-5)
-            checked += 1
+    checked = run_checking_pages(engine, target)
     stats = engine.speculative_stats()
     assert checked > 10 and stats["tokens_per_verify"] > 1.5, stats
 
