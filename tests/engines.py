@@ -5,13 +5,37 @@ from __future__ import annotations
 import numpy as np
 
 from infer.engine.engine import Engine, EngineConfig
+from infer.io.tokenizer import Tokenizer
 from infer.model.llama import Llama
+from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig
 
 
 def tiny_engine(model: Llama, **overrides) -> Engine:
     config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=64, page_size=4)
     config.update(overrides)
     return Engine(model, None, EngineConfig(**config))
+
+
+def serve(model: Llama, tokenizer: Tokenizer | None, requests: list[list[int]],
+          spec: SpeculativeConfig | None, params: SamplingParams, **overrides
+          ) -> tuple[list[list[int]], dict[str, float]]:
+    """Every request through one small engine with speculation `spec` until done: each
+    request's tokens, and the engine's speculative stats with the requests' preemptions. The
+    pages come back whole: every one free, or held by the prefix cache alone."""
+    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
+                  speculative=spec)
+    config.update(overrides)
+    engine = Engine(model, tokenizer, EngineConfig(**config))
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in requests]
+    engine.run_until_done()
+    engine.allocator.check_invariants()
+    if not config.get("enable_prefix_caching"):
+        assert engine.allocator.num_free() == engine.allocator.num_pages
+    outputs = [engine.output(i) for i in ids]
+    return [o.token_ids for o in outputs], {
+        **engine.speculative_stats(),
+        "preemptions": sum(o.metrics.num_preemptions for o in outputs)}
 
 
 def check_logprobs(ref: np.ndarray, out, k: int, atol: float) -> None:

@@ -14,24 +14,10 @@ from infer.engine.engine import Engine, EngineConfig
 from infer.model.config import get_config
 from infer.sampling_params import SamplingParams
 from infer.spec.config import WEIGHTS_DIR, SpeculativeConfig
+from tests.engines import serve
 from tests.spec.plain_kv import run_checking_pages
 
 TINY = get_config("tiny")
-
-
-def serve(model, tokenizer, prompts, spec, params, **overrides):
-    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
-                  speculative=spec)
-    config.update(overrides)
-    engine = Engine(model, tokenizer, EngineConfig(**config))
-    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
-    engine.run_until_done()
-    engine.allocator.check_invariants()
-    assert engine.allocator.num_free() == engine.allocator.num_pages
-    outputs = [engine.output(i) for i in ids]
-    preemptions = sum(o.metrics.num_preemptions for o in outputs)
-    return [o.token_ids for o in outputs], {**engine.speculative_stats(),
-                                             "preemptions": preemptions}
 
 
 def tiny_specs(paths: dict[str, str]) -> list[SpeculativeConfig]:

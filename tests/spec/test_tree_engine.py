@@ -19,6 +19,7 @@ from infer.spec.config import SpeculativeConfig
 from infer.spec.eagle_head import save_eagle
 from infer.spec.tree import TreeSpeculator
 from infer.spec.tree_draft import TreeShape
+from tests.engines import serve
 from tests.spec.oracle import oracle_models
 from tests.spec.plain_kv import run_checking_pages
 
@@ -40,22 +41,6 @@ def prompts(seed: int, n: int = 5) -> list[list[int]]:
     return [rng.integers(1, CONFIG.vocab_size, rng.integers(3, 30)).tolist() for _ in range(n)]
 
 
-def serve(target, spec, requests, params, **overrides):
-    config = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=96, page_size=4,
-                  speculative=spec)
-    config.update(overrides)
-    engine = Engine(target, None, EngineConfig(**config))
-    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in requests]
-    engine.run_until_done()
-    engine.allocator.check_invariants()
-    if not config.get("enable_prefix_caching"):
-        assert engine.allocator.num_free() == engine.allocator.num_pages
-    outputs = [engine.output(i) for i in ids]
-    return [o.token_ids for o in outputs], {
-        **engine.speculative_stats(),
-        "preemptions": sum(o.metrics.num_preemptions for o in outputs)}
-
-
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trees_keep_greedy_outputs(oracle, tree, seed) -> None:
@@ -67,8 +52,8 @@ def test_trees_keep_greedy_outputs(oracle, tree, seed) -> None:
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     spec = SpeculativeConfig("eagle", eagle_path=path, tree=tree)
     for overrides in ({}, {"num_pages": 16}, {"enable_prefix_caching": True}):
-        plain, _ = serve(target, None, requests, greedy, **overrides)
-        out, stats = serve(target, spec, requests, greedy, **overrides)
+        plain, _ = serve(target, None, requests, None, greedy, **overrides)
+        out, stats = serve(target, None, requests, spec, greedy, **overrides)
         assert out == plain, (tree, overrides)
         # The oracle head agrees with the target: deep paths get accepted.
         assert stats["tokens_per_verify"] > 1.5, (tree, overrides, stats)
@@ -81,9 +66,10 @@ def test_trees_through_the_pallas_kernels(oracle) -> None:
     target, _, path = oracle
     requests = prompts(0, 3)
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
-    plain, _ = serve(target, None, requests, greedy)
-    out, stats = serve(target, SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6"),
-                       requests, greedy, attention_backend="pallas")
+    plain, _ = serve(target, None, requests, None, greedy)
+    out, stats = serve(target, None, requests,
+                       SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6"), greedy,
+                       attention_backend="pallas")
     assert out == plain
     assert stats["tokens_per_verify"] > 1.5, stats
 
@@ -95,12 +81,13 @@ def test_a_confidence_stop_trims_trees_and_keeps_outputs(oracle) -> None:
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     requests = prompts(2)
     full_spec = SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6")
-    plain, _ = serve(target, None, requests, greedy)
-    _, full = serve(target, full_spec, requests, greedy)
+    plain, _ = serve(target, None, requests, None, greedy)
+    _, full = serve(target, None, requests, full_spec, greedy)
     # The oracle's draft probabilities are flat (its embeddings are damped): a first child's
     # is about 1% over the 512-token vocabulary, so a stop at 0.5% cuts the trees' deeper nodes.
-    out, stopped = serve(target, SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6",
-                                                   draft_confidence=0.005), requests, greedy)
+    out, stopped = serve(target, None, requests,
+                         SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6",
+                                           draft_confidence=0.005), greedy)
     assert out == plain
     assert 0 < stopped["proposed"] < full["proposed"] * 0.9, (stopped, full)
 
