@@ -7,7 +7,6 @@ test_speculative_sampling_engine.py."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
