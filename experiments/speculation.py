@@ -22,7 +22,10 @@ drafts (draft, self_draft, eagle) get chat prompts. --prompt_kind gives every me
 its rows say `draft_confidence`, the tables' `stop`). Each timed pass starts suffix decoding with an empty corpus, so a pass repeated for warm-up drafts
 nothing from its own earlier outputs. Snippets come from
 `real_text` at >= 360,000 characters, which draft training never saw. A method whose weights
-file is missing is skipped with a note.
+file is missing is skipped with a note. --engine_trees=2x3,3x4/15 adds EAGLE trees to method
+eagle's chains, through the same engine (`speculative={"method": "eagle", "tree": ...}`, one
+tree per row at any batch); their rows name the tree, and their k is the candidates a row
+verifies at most (c is then per candidate, and tokens per verify step is the tree's).
 
 Part `tree`: `infer.spec.tree.tree_generate` at batch 1, the EAGLE head expanded as a
 tree (2 x 3: 14 candidates), as a chain of the same depth, or (--dynamic_trees) as EAGLE-2's
