@@ -40,20 +40,32 @@ def prompts(seed: int, n: int = 5) -> list[list[int]]:
     return [rng.integers(1, CONFIG.vocab_size, rng.integers(3, 30)).tolist() for _ in range(n)]
 
 
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def greedy_requests(seed: int) -> list[list[int]]:
+    requests = prompts(seed)
+    return requests + [requests[0][:8] + [7, 7]]  # shares its first two pages with request 0
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(oracle) -> dict[int, list[list[int]]]:
+    """Plain greedy decoding of each seed's requests, once per module (preemption and prefix
+    caching leave plain outputs alone: tests/engine)."""
+    return {seed: serve(oracle[0], None, greedy_requests(seed), None, GREEDY)[0]
+            for seed in (0, 1)}
+
+
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_trees_keep_greedy_outputs(oracle, tree, seed) -> None:
+def test_trees_keep_greedy_outputs(oracle, plain_greedy, tree, seed) -> None:
     """Greedy outputs equal plain decoding's, with pages to spare, with so few pages that
     requests are preempted, and with prefix caching (prompts sharing a prefix)."""
     target, _, path = oracle
-    requests = prompts(seed)
-    requests.append(requests[0][:8] + [7, 7])  # shares its first two pages with request 0
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     spec = SpeculativeConfig("eagle", eagle_path=path, tree=tree)
     for overrides in ({}, {"num_pages": 16}, {"enable_prefix_caching": True}):
-        plain, _ = serve(target, None, requests, None, greedy, **overrides)
-        out, stats = serve(target, None, requests, spec, greedy, **overrides)
-        assert out == plain, (tree, overrides)
+        out, stats = serve(target, None, greedy_requests(seed), spec, GREEDY, **overrides)
+        assert out == plain_greedy[seed], (tree, overrides)
         # The oracle head agrees with the target: deep paths get accepted.
         assert stats["tokens_per_verify"] > 1.5, (tree, overrides, stats)
         assert (stats["preemptions"] > 0) == ("num_pages" in overrides), (tree, stats)
