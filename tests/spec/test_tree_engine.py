@@ -71,6 +71,20 @@ def test_trees_keep_greedy_outputs(oracle, plain_greedy, tree, seed) -> None:
         assert (stats["preemptions"] > 0) == ("num_pages" in overrides), (tree, stats)
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_trees_over_quantized_pages(oracle, kv_format) -> None:
+    """Compaction moves the stored codes with their scales: over int8 and int4 pages, greedy
+    output is plain decoding's over the same pages."""
+    target, _, path = oracle
+    requests = greedy_requests(0)
+    plain, _ = serve(target, None, requests, None, GREEDY, kv_cache_dtype=kv_format)
+    out, stats = serve(target, None, requests,
+                       SpeculativeConfig("eagle", eagle_path=path, tree="3x3/6"), GREEDY,
+                       kv_cache_dtype=kv_format)
+    assert out == plain
+    assert stats["tokens_per_verify"] > 1.5, stats
+
+
 def test_trees_through_the_pallas_kernels(oracle) -> None:
     """The Pallas backend (interpreted on CPU) reads the trees' masks in the target's verify and
     the head's draft rows: greedy output is the reference backend's plain decoding."""
