@@ -13,8 +13,8 @@ class SpeculationStats:
 
     verify_steps: int = 0  # device passes that verified drafts
     rows: int = 0  # row verifications: one request in one verify step
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
+    proposed: int = 0  # draft tokens proposed (with trees: candidates verified)
+    accepted: int = 0  # draft tokens accepted (with trees: the accepted paths' nodes)
 
     def record(self, counts: np.ndarray, accepted: np.ndarray) -> None:
         used = counts > 0
@@ -25,7 +25,9 @@ class SpeculationStats:
 
     def summary(self) -> dict[str, float]:
         """acceptance_rate = accepted / proposed; tokens_per_verify = tokens each verifying row
-        emitted on average (its accepted drafts and the target's own token)."""
+        emitted on average (its accepted drafts and the target's own token). With trees, a
+        row's candidates are alternatives and one path at most is accepted, so the rate is far
+        below a chain's for the same head: compare trees by tokens_per_verify."""
         return {**dataclasses.asdict(self),
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "tokens_per_verify": (self.accepted + self.rows) / self.rows if self.rows else 0.0}
