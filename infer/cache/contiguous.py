@@ -77,6 +77,22 @@ class KVCache(WriteThenAttend):
         new_v = self.v[:layer] + (put(self.v[layer], v),) + self.v[layer + 1:]
         return dataclasses.replace(self, k=new_k, v=new_v)
 
+    def move_tokens(self, page_tables: None, src: jax.Array, dst: jax.Array, valid: jax.Array
+                    ) -> "KVCache":
+        """`PagedKVCache.move_tokens` for row b's own slots (no page tables: pass None): where
+        valid, slot src[b, t]'s keys and values are copied to dst[b, t] in every layer, all
+        gathered before any is written; slots outside [0, max_len) write nothing."""
+        del page_tables  # a contiguous row's slots are its positions
+        inside = lambda slots: (slots >= 0) & (slots < self.max_len)
+        ok = valid & inside(src) & inside(dst)
+        source = jnp.clip(src, 0, self.max_len - 1)[:, None, :, None]
+        target = jnp.where(ok, dst, self.max_len)
+        rows = jnp.broadcast_to(jnp.arange(src.shape[0])[:, None], src.shape)
+        # Advanced indices split by a slice: the scattered dims come first, [B, T, K, D].
+        move = lambda x: x.at[rows, :, target].set(
+            jnp.take_along_axis(x, source, axis=2).transpose(0, 2, 1, 3), mode="drop")
+        return dataclasses.replace(self, k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
+
     def attend(self, layer: int, q: jax.Array, meta: AttentionMetadata) -> jax.Array:
         k, v = self.layer(layer)
         return attention.masked_attention(q, k, v, attention.visibility_mask(meta, self.max_len))

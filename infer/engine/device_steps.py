@@ -46,6 +46,39 @@ class DecodeState:
 R = TypeVar("R")
 
 
+def verify_tree_pass(model: Llama, cache: CacheT, nodes: jax.Array, parents: jax.Array,
+                     meta: AttentionMetadata, sampling: SamplingArrays, sample_index: jax.Array,
+                     depth: int, feature_layers: tuple[int, ...] = ()
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, CacheT]:
+    """One target pass over a tree per row, exact verification and compaction: the program of
+    `DeviceSteps.tree_verify_step` and of the batch-1 tree speculator (`infer.spec.tree`), over
+    any cache with `move_tokens`.
+
+    nodes [B, N] (node 0 the row's last token) with parents [B, N] in drafting order, at most
+    `depth` below the root; the first meta.q_lens[b] are verified, node i written to slot
+    meta.starts[b] + i at position starts + its depth, seeing the cache and its ancestors
+    (`meta`'s positions and tree mask are replaced here). Returns (path [B, depth+1],
+    num_accepted [B], emitted [B, depth+1], hidden states [B, depth+1, E] of the path's nodes,
+    cache with the path's KV moved to slots starts+1 .. starts+num_accepted)."""
+    real = jnp.arange(nodes.shape[1])[None] < meta.q_lens[:, None]
+    nodes = jnp.where(real, nodes, -1)  # never accepted, never written
+    node_depth, ancestors = jax.vmap(tree_structure, (0, None))(parents, depth)
+    meta = dataclasses.replace(meta, positions=meta.starts[:, None] + node_depth,
+                               tree_mask=ancestors)
+    logits, hidden, cache = model(jnp.maximum(nodes, 0), cache, meta,
+                                  feature_layers=feature_layers)
+    path, accepted, nxt = verify_tree(logits, nodes, parents, sampling, sample_index, depth)
+    emitted = path_tokens(nodes, path, accepted, nxt)
+    # The accepted nodes' KV moves from their tree slots to the slots after the root's, as a
+    # plain pass over the accepted tokens would have written it.
+    step = jnp.arange(depth + 1, dtype=jnp.int32)[None]
+    cache = cache.move_tokens(meta.page_tables, meta.starts[:, None] + jnp.maximum(path, 0),
+                              meta.starts[:, None] + step,
+                              (step >= 1) & (step <= accepted[:, None]))
+    hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
+    return path, accepted, emitted, hidden, cache
+
+
 class DeviceSteps:
     """`prefill_step` and `decode_step` of one model, jitted with the cache donated; under
     `mesh` when the model's weights are placed on one (`infer.parallel.placement`)."""
@@ -103,23 +136,9 @@ class DeviceSteps:
         def tree_verify(params, cache, roots, nodes, parents, meta, sampling, sample_index,
                         depth):
             nodes = jnp.concatenate([roots[:, None], nodes], axis=1)  # [B, N], node 0 the root
-            real = jnp.arange(nodes.shape[1])[None] < meta.q_lens[:, None]
-            nodes = jnp.where(real, nodes, -1)  # never accepted, never written
-            node_depth, ancestors = jax.vmap(tree_structure, (0, None))(parents, depth)
-            meta = dataclasses.replace(meta, positions=meta.starts[:, None] + node_depth,
-                                       tree_mask=ancestors)
-            logits, hidden, cache = bind(params)(jnp.maximum(nodes, 0), cache, meta,
-                                                 feature_layers=self.feature_layers)
-            path, accepted, nxt = verify_tree(logits, nodes, parents, sampling, sample_index,
-                                              depth)
-            emitted = path_tokens(nodes, path, accepted, nxt)
-            # The accepted nodes' KV moves from their tree slots to the slots after the root's,
-            # as a plain pass over the accepted tokens would have written it.
-            step = jnp.arange(depth + 1, dtype=jnp.int32)[None]
-            cache = cache.move_tokens(meta.page_tables, meta.starts[:, None] + jnp.maximum(path, 0),
-                                      meta.starts[:, None] + step,
-                                      (step >= 1) & (step <= accepted[:, None]))
-            hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
+            _, accepted, emitted, hidden, cache = verify_tree_pass(
+                bind(params), cache, nodes, parents, meta, sampling, sample_index, depth,
+                self.feature_layers)
             return replicate(accepted), replicate(emitted), hidden, cache
 
         def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
@@ -177,13 +196,8 @@ class DeviceSteps:
                          parents: jax.Array, meta: AttentionMetadata, sampling: SamplingArrays,
                          sample_index: jax.Array, depth: int
                          ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
-        """One target pass over a tree per row, exact verification, and compaction.
-
-        Row b's tree is its last token roots[b] then candidates nodes [B, N-1] (parents
-        [B, N] in drafting order, nodes at most `depth` below the root), of which the first
-        meta.q_lens[b] - 1 are verified; node i is written to slot meta.starts[b] + i at
-        position starts + its depth and sees the cache and its ancestors. `meta` is a paged
-        step's metadata over N tokens (its positions are replaced here).
+        """`verify_tree_pass` over rows whose trees are their last token roots [B] then
+        candidates nodes [B, N-1] (parents [B, N]); `meta` a paged step's metadata over N tokens.
 
         Returns (num_accepted [B], emitted [B, depth+1] (the accepted path's candidates, the
         target's token, then -1), hidden states [B, depth+1, E] of the root and the path's

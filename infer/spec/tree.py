@@ -51,7 +51,7 @@ import numpy as np
 from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata, check_writes
 from infer.engine.buckets import next_power_of_two, prompt_bucket
-from infer.engine.device_steps import DeviceSteps
+from infer.engine.device_steps import DeviceSteps, verify_tree_pass
 from infer.engine.simple_loop import timed_generate
 from infer.model.binding import binding
 from infer.model.llama import Llama
@@ -60,7 +60,7 @@ from infer.sampling_params import SamplingParams
 from infer.spec.eagle_head import EagleHead
 from infer.spec.draft_vocab import draft_vocab_rows
 from infer.spec.tree_draft import TreeShape, draft_tree, full_tree, top_children
-from infer.spec.verify import path_tokens, tree_depth, tree_structure, verify_tree
+from infer.spec.verify import tree_depth
 
 Bind = Callable[[tuple], tuple[Llama, EagleHead]]
 
@@ -118,17 +118,13 @@ def _tree_programs(bind: Bind, shape: TreeShape):
         """Target pass over the tree, the accepted path, compaction. Returns (state,
         emitted [depth+1] (accepted candidates, the target's token, then -1), accepted)."""
         target, head = bind(params)
-        node_depth, ancestors = tree_structure(parents, depth)
-        meta = AttentionMetadata.for_tree(state.length[None], jnp.int32(n)[None], node_depth,
-                                          ancestors[None])
-        logits, hidden, cache = target(tokens[None], state.target_cache, meta,
-                                       feature_layers=head.feature_layers)
-        path, accepted, nxt = verify_tree(logits, tokens[None], parents[None], state.sampling,
-                                          state.sample_index[None], depth)
-        emitted = path_tokens(tokens[None], path, accepted, nxt)[0]
-        cache = compact(cache, state.length, path[0])
+        meta = AttentionMetadata.for_prefill(jnp.int32(n)[None], n, cached=state.length[None])
+        _, accepted, emitted, hidden, cache = verify_tree_pass(
+            target, state.target_cache, tokens[None], parents[None], meta, state.sampling,
+            state.sample_index[None], depth, head.feature_layers)
+        emitted = emitted[0]
         keep = jnp.arange(width) <= accepted[0]
-        features = jnp.where(keep[:, None], hidden[0, jnp.maximum(path[0], 0)], 0.0)
+        features = jnp.where(keep[:, None], hidden[0], 0.0)
         return dataclasses.replace(
             state, target_cache=cache, length=state.length + accepted[0] + 1,
             pending_features=features, pending_tokens=jnp.where(keep, emitted, 0),
@@ -264,18 +260,6 @@ class TreeSpeculator:
         emitted [depth+1], accepted candidates)."""
         self._check_room(state)
         return self._step(self.params, state)
-
-
-def compact(cache: KVCache, length: jax.Array, path: jax.Array) -> KVCache:
-    """Moves the KV of the accepted path's nodes (tree slots length + path[j]) to slots
-    length + j, for every layer. Entries past the path (-1) copy their own slot: those slots
-    lie past the new length and are overwritten later."""
-    width = path.shape[0]
-    src = length + jnp.where(path >= 0, path, jnp.arange(width, dtype=path.dtype))
-    # Gather everything before writing anything: a node may move onto a slot another one leaves.
-    move = lambda x: jax.lax.dynamic_update_slice(x, jnp.take(x, src, axis=2),
-                                                  (0, 0, length, 0))
-    return dataclasses.replace(cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 def tree_generate(spec: TreeSpeculator, prompt_ids: Sequence[int], max_new_tokens: int,
