@@ -451,10 +451,10 @@ class EagleProposer(_ModelProposer):
 
             return _draft_chain(draw_from, feed, feature, cache, limits, k, confidence)
 
-        tree_shape = config.tree
+        tree_shape = config.tree  # `tree` below is traced only when there is one
         if tree_shape is not None:
             self.catch_up_width = tree_shape.depth + 1  # a step accepts at most depth drafts
-            log_confidence = None if confidence is None else float(np.log(confidence))
+        log_confidence = None if confidence is None else float(np.log(confidence))
 
         def tree(params, vocab, cache, features, next_tokens, meta, limits):
             m = bind(params)
