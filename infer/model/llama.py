@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from infer.cache.metadata import AttentionMetadata
+from kernels_cpu import dense as dense_cpu
 from infer.cache.protocol import CacheT
 from infer.model.config import LlamaConfig
 from infer.model.sharding import (BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
@@ -43,14 +44,23 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, rngs:
 def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     """einsum of activations with a weight, accumulating in float32 whatever the weight dtype.
 
-    A one-row product with 16-bit weights on CPU is padded to two rows: XLA:CPU sends a
-    one-row bfloat16 dot down a path that first converts the whole weight to float32 (the
-    [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took 31 ms, against 2.9 ms for two
-    rows; a decode step at batch 1 took 153 ms, against 17 ms padded). Float32 one-row products
-    are fast as they are; a float32 product of a few rows with a [N, K] weight (a verify
-    step's k + 1 positions through the vocabulary projection) is a multiply-and-reduce on CPU
-    (`_reduces_few_rows`). Accelerators are not affected."""
+    On CPU, products of a few rows (decode and verify steps) are bound by reading the weight,
+    which XLA:CPU does slowly outside a one-row float32 GEMV; the products `kernels_cpu.dense`
+    streams faster (its ROWS table: bfloat16 with 1-4 rows, and with 1-7 rows for the [N, K]
+    vocabulary projection; float32 with 2-3 rows) go to that kernel, unless a mesh is active.
+    Without the kernel (no AVX-512 or no compiler), a one-row product with 16-bit weights is
+    padded to two rows: XLA:CPU sends a one-row bfloat16 dot down a path that first converts the
+    whole weight to float32 (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took
+    31 ms, against 2.9 ms for two rows). A float32 product of a few rows with a [N, K] weight (a
+    verify step's k + 1 positions through the vocabulary projection) is a multiply-and-reduce
+    on CPU (`_reduces_few_rows`). Accelerators are not affected."""
     x = x.astype(w.dtype)
+    num_rows = math.prod(x.shape[:-1])
+    layout = _weight_layout(equation)
+    if (layout is not None and jax.sharding.get_abstract_mesh().empty
+            and dense_cpu.takes(num_rows, w, layout)):
+        out = dense_cpu.multiply(x.reshape(num_rows, x.shape[-1]), w, layout)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if _reduces_few_rows(x, w, equation):
         return _few_rows_product(x, w)
     if not _pads_single_rows(x, w):
@@ -59,6 +69,20 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     padded = jnp.concatenate([rows, jnp.zeros_like(rows)], axis=0)
     out = jnp.einsum(equation, padded, w, preferred_element_type=jnp.float32)[:1]
     return out[0] if x.ndim == 1 else out
+
+
+def _weight_layout(equation: str) -> str | None:
+    """"kn" for a weight stored [in, out] ("bte,ef->btf"), "nk" for one stored [out, in]
+    ("...e,ve->...v"), None for any other contraction."""
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    if len(rhs) != 2:
+        return None
+    if rhs[0] == lhs[-1] and out == lhs[:-1] + rhs[1]:
+        return "kn"
+    if rhs[1] == lhs[-1] and out == lhs[:-1] + rhs[0]:
+        return "nk"
+    return None
 
 
 def _pads_single_rows(x: jax.Array, w: jax.Array) -> bool:

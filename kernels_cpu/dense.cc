@@ -1,0 +1,343 @@
+// Products of a few rows of activations with a weight, on CPU, reading the weight once.
+//
+// XLA:CPU multiplies one float32 row by a GEMV that streams the weight at near copy speed, but
+// hands 2..8 rows, and bfloat16 weights at any row count, to GEMM paths that run at a third of
+// that (kernels_cpu/dense.py has the figures). Decode steps and verify steps are exactly those
+// products, and they are bound by reading the weight, so this kernel streams each weight tile
+// once and multiplies every row against it while it is in registers.
+//
+//   out[m, n] = sum_k x[m, k] * w[k, n]   (layout "kn": the model's projections, [in, out])
+//   out[m, n] = sum_k x[m, k] * w[n, k]   (layout "nk": the tied vocabulary projection)
+//
+// x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is widened to
+// float32 in registers (a 16-bit shift), and products accumulate in float32 by FMA.
+//
+// Each output element is summed in an order that depends only on K and the layout, never on the
+// number of rows or on how the columns are split between threads, so a row's result is the same
+// bits whether it is multiplied alone or among others (tests/kernels/test_dense_cpu.py checks).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "kernels_cpu/dense.cc needs AVX-512 F and BW; dense.py falls back to XLA without it"
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// Register tiles are arrays indexed by loop counters; unrolled early, GCC keeps them in
+// registers instead of storing every accumulator to the stack on each step.
+#define UNROLL _Pragma("GCC unroll 16")
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
+}
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+inline __m512 load(const uint16_t* p) {
+  // bfloat16 is the top half of a float32: widen each to 32 bits and shift it up.
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __m512 load(const uint16_t* p, __mmask16 mask) {
+  __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Layout "kn": R rows against columns [n0, n1), streaming the weight row by row.
+//
+// A register tile that walks down a narrow column strip reads 64-128 bytes of each weight row at
+// a stride the hardware prefetchers do not follow; that ran at a third of the speed of XLA's
+// GEMV. Here KB whole row segments are read front to back at a time, and the running sums live in
+// `out` (R x (n1 - n0) floats, in L1), loaded and stored once per KB rows. Each sum still takes
+// its terms in order of k, one FMA at a time.
+template <int R, int KB, bool kMasked, typename T>
+inline void kn_vector(const __m512 (&xv)[R][KB], const T* row, float* out, int64_t N, int64_t c,
+                      __mmask16 mask) {
+  __m512 acc[R];
+  UNROLL for (int r = 0; r < R; ++r)
+    acc[r] = kMasked ? _mm512_maskz_loadu_ps(mask, out + r * N + c) : _mm512_loadu_ps(out + r * N + c);
+  UNROLL for (int kk = 0; kk < KB; ++kk) {
+    // The next pass's rows, fetched while this pass computes.
+    _mm_prefetch(reinterpret_cast<const char*>(row + (16 * KB + kk) * N + c), _MM_HINT_T0);
+    const __m512 wv = kMasked ? load(row + kk * N + c, mask) : load(row + kk * N + c);
+    UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(xv[r][kk], wv, acc[r]);
+  }
+  UNROLL for (int r = 0; r < R; ++r) {
+    if (kMasked)
+      _mm512_mask_storeu_ps(out + r * N + c, mask, acc[r]);
+    else
+      _mm512_storeu_ps(out + r * N + c, acc[r]);
+  }
+}
+
+template <int R, int KB, typename T>
+void kn_rows(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t k0,
+             int64_t n0, int64_t n1) {
+  __m512 xv[R][KB];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int kk = 0; kk < KB; ++kk) xv[r][kk] = _mm512_set1_ps(x[r * K + k0 + kk]);
+  const T* row = w + k0 * N;
+  int64_t c = n0;
+  // Full vectors unmasked: masked stores are slow on some x86 cores (AMD Zen 4 among them).
+  for (; c + kLanes <= n1; c += kLanes) kn_vector<R, KB, false>(xv, row, out, N, c, 0);
+  if (c < n1) kn_vector<R, KB, true>(xv, row, out, N, c, tail_mask(n1 - c));
+}
+
+// Weight rows per pass: as many as leave R x KB broadcast rows in registers.
+template <int R>
+constexpr int kn_rows_per_pass() {
+  return R <= 2 ? 8 : (R <= 4 ? 4 : 2);
+}
+
+template <int R, typename T>
+void kn_panel(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t n0,
+              int64_t n1) {
+  for (int r = 0; r < R; ++r) std::fill(out + r * N + n0, out + r * N + n1, 0.0f);
+  constexpr int KB = kn_rows_per_pass<R>();
+  int64_t k = 0;
+  for (; k + KB <= K; k += KB) kn_rows<R, KB, T>(x, w, out, K, N, k, n0, n1);
+  for (; k < K; ++k) kn_rows<R, 1, T>(x, w, out, K, N, k, n0, n1);
+}
+
+// Layout "nk": R rows times NB weight rows [n, n + NB), each a dot product over K.
+template <int R, int NB, typename T>
+void nk_tile(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t n) {
+  __m512 acc[R][NB];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const __mmask16 mask = tail_mask(K - k);
+    __m512 wv[NB];
+    UNROLL for (int j = 0; j < NB; ++j) wv[j] = load(w + (n + j) * K + k, mask);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 xv = load(x + r * K + k, mask);
+      UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int j = 0; j < NB; ++j) out[r * N + n + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+#if defined(__AVX512BF16__)
+// Layout "nk" with bfloat16 rows and weights, where the CPU multiplies bfloat16 pairs itself
+// (VDPBF16PS: 32 products a step with no widening). Each lane sums its pairs in a fixed order,
+// as the float32 tile does.
+template <int R, int NB>
+void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N,
+                  int64_t n) {
+  __m512 acc[R][NB];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2 * kLanes) {
+    const int64_t left = K - k;
+    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFF)
+                                              : __mmask32((uint64_t(1) << left) - 1);
+    __m512bh wv[NB];
+    UNROLL for (int j = 0; j < NB; ++j)
+      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + j) * K + k);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * K + k);
+      UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int j = 0; j < NB; ++j) out[r * N + n + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
+
+// The rows as float32 (`x`) and, for bfloat16 products, as they came (`x16`), the weight, the
+// output and their sizes.
+template <typename T>
+struct Operands {
+  const float* x;
+  const uint16_t* x16;
+  const T* w;
+  float* out;
+  int64_t M, K, N;
+};
+
+// Weight rows per "nk" tile: as many as leave the R x nb accumulators in the 32 registers.
+template <int R>
+constexpr int nk_rows_per_tile(int most) {
+  return R <= 2 ? most : (R <= 4 ? std::min(most, 4) : std::min(most, 2));
+}
+
+// R rows (R <= 8) starting at row m, against columns [n, n + count) ("kn") or weight rows
+// [n, n + count) ("nk").
+template <int R, typename T>
+void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
+  const float* x = o.x + m * o.K;
+  float* out = o.out + m * o.N;
+  if (!nk) {
+    kn_panel<R, T>(x, o.w, out, o.K, o.N, n, n + count);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    constexpr int nb = nk_rows_per_tile<R>(8);
+    const uint16_t* x16 = o.x16 + m * o.K;
+    int64_t j = n;
+    for (; j + nb <= n + count; j += nb) nk_tile_bf16<R, nb>(x16, o.w, out, o.K, o.N, j);
+    for (; j < n + count; ++j) nk_tile_bf16<R, 1>(x16, o.w, out, o.K, o.N, j);
+    return;
+  }
+#endif
+  constexpr int nb = nk_rows_per_tile<R>(8);
+  int64_t j = n;
+  for (; j + nb <= n + count; j += nb) nk_tile<R, nb, T>(x, o.w, out, o.K, o.N, j);
+  for (; j < n + count; ++j) nk_tile<R, 1, T>(x, o.w, out, o.K, o.N, j);
+}
+
+// Up to 8 rows at a time keep the accumulators in registers; more rows take further passes over
+// the same tile, which is then in cache.
+constexpr int kMaxTileRows = 8;
+
+template <typename T>
+void all_rows(const Operands<T>& o, bool nk, int64_t n, int64_t count) {
+  for (int64_t m = 0; m < o.M; m += kMaxTileRows) {
+    switch (std::min<int64_t>(o.M - m, kMaxTileRows)) {
+      case 1: tile<1>(o, nk, m, n, count); break;
+      case 2: tile<2>(o, nk, m, n, count); break;
+      case 3: tile<3>(o, nk, m, n, count); break;
+      case 4: tile<4>(o, nk, m, n, count); break;
+      case 5: tile<5>(o, nk, m, n, count); break;
+      case 6: tile<6>(o, nk, m, n, count); break;
+      case 7: tile<7>(o, nk, m, n, count); break;
+      default: tile<8>(o, nk, m, n, count); break;
+    }
+  }
+}
+
+// Columns ("kn") or weight rows ("nk") per unit of work.
+constexpr int64_t kKnUnit = kLanes;
+constexpr int64_t kNkUnit = 8;
+
+template <typename T>
+void run_units(const Operands<T>& o, bool nk, int64_t first, int64_t last) {
+  const int64_t unit = nk ? kNkUnit : kKnUnit;
+  for (int64_t u = first; u < last; ++u)
+    all_rows(o, nk, u * unit, std::min(unit, o.N - u * unit));
+}
+
+// Weights smaller than this are multiplied on the calling thread: handing half of a few hundred
+// kilobytes to another thread costs about what it saves.
+constexpr int64_t kParallelBytes = 512 * 1024;
+
+// Splits the units into chunks that the calling thread and XLA's pool threads claim from a
+// shared counter. The caller claims chunks too and waits only for chunks another thread has
+// claimed and is running, so it never waits on a task still queued behind busy pool threads
+// (two such products running at once on a two-thread pool would otherwise each wait for the
+// other's queued half). A task that starts after every chunk is claimed returns at once; the
+// shared state outlives the call for such late tasks.
+struct Chunks {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t count = 0;
+  std::function<void(int64_t)> run;
+
+  void drain() {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < count;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      run(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename T>
+void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
+  const int64_t unit = nk ? kNkUnit : kKnUnit;
+  const int64_t units = (o.N + unit - 1) / unit;
+  const int64_t helpers = std::max<int64_t>(pool.num_threads() - 1, 0);
+  const int64_t weight_bytes = o.K * o.N * int64_t(sizeof(T));
+  if (helpers == 0 || weight_bytes < kParallelBytes || units < 2) {
+    run_units(o, nk, 0, units);
+    return;
+  }
+  auto chunks = std::make_shared<Chunks>();
+  // "kn" panels are as wide as they can be (a thread's share of the columns), so that each
+  // weight row is read in long runs; "nk" tiles are small, so four chunks a thread even out
+  // threads that start late.
+  chunks->count = std::min<int64_t>(units, (nk ? 4 : 1) * (helpers + 1));
+  const int64_t per_chunk = (units + chunks->count - 1) / chunks->count;
+  chunks->count = (units + per_chunk - 1) / per_chunk;
+  chunks->run = [=](int64_t c) {
+    run_units(o, nk, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+  };
+  for (int64_t t = 0; t < std::min(helpers, chunks->count - 1); ++t)
+    pool.Schedule([chunks] { chunks->drain(); });
+  chunks->drain();
+  while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
+}
+
+ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out, bool nk) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("dense_cpu: x must be [M, K] and w 2-D");
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument("dense_cpu: x and w must share a dtype");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t N = nk ? wd[0] : wd[1];
+  if ((nk ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
+  float* o = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(o, o + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      multiply(pool,
+               Operands<float>{static_cast<const float*>(x.untyped_data()), nullptr,
+                               static_cast<const float*>(w.untyped_data()), o, M, K, N},
+               nk);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16: {
+      // The rows are widened once here; the weight, which is the traffic, stays 16-bit.
+      const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+      std::vector<float> xf(M * K);
+      for (int64_t i = 0; i < M * K; ++i) {
+        const uint32_t bits = uint32_t(xb[i]) << 16;
+        std::memcpy(&xf[i], &bits, sizeof(float));
+      }
+      multiply(pool,
+               Operands<uint16_t>{xf.data(), xb, static_cast<const uint16_t*>(w.untyped_data()),
+                                  o, M, K, N},
+               nk);
+      return ffi::Error::Success();
+    }
+    default:
+      return ffi::Error::InvalidArgument("dense_cpu: weights must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InferDenseCpu, dense_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("nk"));

@@ -1,0 +1,180 @@
+"""A CPU kernel for products of a few activation rows with a weight (XLA FFI custom call).
+
+Why: decode and verify steps multiply a few rows by every weight, so they are bound by reading
+the weights, and XLA:CPU reads them slowly outside one case. On the development machine (AMD
+EPYC, 2 cores, `python -m experiments.dense_cpu`, figures in the README) SmolLM2's vocabulary
+projection, [M, 576] x [576, 49152]:
+- float32, one row: XLA's GEMV streams the weight at about 43 GB/s;
+- float32, 2-8 rows: XLA's GEMM (YNNPACK) runs at about 22 GB/s, so a verify step of k + 1
+  positions paid for a second read;
+- bfloat16, any rows: about 16 GB/s, so bfloat16, half the bytes, was barely faster than
+  float32.
+
+`dense.cc` streams each weight tile once and multiplies every row against it in registers,
+with float32 accumulation; bfloat16 is widened in registers. It is built on first use with the
+machine's C++ compiler for the machine's own CPU (`-march=native`, about 3 s) into
+`~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the source, the compiler, the
+jaxlib headers and the CPU. It needs AVX-512 (F, BW); without it, or without a compiler,
+`available()` is False and `infer.model.llama.dense` keeps XLA's product.
+`INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it.
+
+Each output element is summed in an order fixed by K and the layout alone, so a row's result
+does not depend on which other rows share the call (batch invariance).
+
+`reference` is the jnp product it must equal, `multiply` the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "infer_dense_cpu"
+SOURCE = Path(__file__).with_name("dense.cc")
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+LAYOUTS = ("kn", "nk")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                             "infer")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _build() -> Path:
+    """Compiles dense.cc once per (source, compiler, headers, CPU) and returns the library."""
+    include = jax.ffi.include_dir()
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()[0]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"libinfer_dense_{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    print("infer: building the CPU dense kernel (once per machine, a few seconds)",
+          file=sys.stderr)
+    # Built beside its final name and renamed, so that processes building at once (pytest
+    # workers) never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        subprocess.run([_compiler(), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+                        "-isystem", include, str(SOURCE), "-o", partial],
+                       capture_output=True, text=True, check=True)
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA:CPU. False (and XLA's product is
+    used) when INFER_CPU_KERNELS=0, off x86-64, or when the build fails (no compiler, no
+    AVX-512); the reason goes to stderr once."""
+    if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+        return False
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        print(f"infer: the CPU dense kernel is off, XLA's product is used: "
+              f"{detail.strip().splitlines()[-1] if detail.strip() else error}", file=sys.stderr)
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.InferDenseCpu),
+                                platform="cpu")
+    return True
+
+
+# Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product inside a chain
+# of SmolLM2-sized layers on the development machine (`python -m experiments.dense_cpu`). XLA
+# keeps one-row float32 products (its GEMV streams them faster), products of more rows (its
+# GEMMs compute faster than these tiles once the rows outweigh the read), and float32 [N, K]
+# weights (infer.model.llama's multiply-and-reduce).
+ROWS = {("kn", jnp.dtype(jnp.float32)): range(2, 4), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 5),
+        ("nk", jnp.dtype(jnp.bfloat16)): range(1, 8)}
+
+
+def takes(rows: int, w: jax.Array, layout: str) -> bool:
+    """Whether the kernel should run this product: on CPU, a 2-D weight, a row count in ROWS,
+    and the kernel available."""
+    return (rows in ROWS.get((layout, jnp.dtype(w.dtype)), ()) and w.ndim == 2
+            and jax.default_backend() == "cpu" and available())
+
+
+def _check(x: jax.Array, w: jax.Array, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"x must be [M, K] and w 2-D, got {x.shape} and {w.shape}")
+    k = w.shape[1] if layout == "nk" else w.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"x {x.shape} and w {w.shape} ({layout}) disagree on K")
+    if jnp.dtype(w.dtype) not in DTYPES or x.dtype != w.dtype:
+        raise ValueError(f"x and w must both be float32 or both bfloat16, got {x.dtype}, "
+                         f"{w.dtype}")
+
+
+def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+    """x [M, K] times w ([K, N] for "kn", [N, K] for "nk") -> [M, N] float32, by jnp."""
+    _check(x, w, layout)
+    equation = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
+    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _call(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+    if not available():
+        raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
+    n = w.shape[0] if layout == "nk" else w.shape[1]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, nk=layout == "nk")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def multiply(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+    """x [M, K] times w ([K, N] for "kn", [N, K] for "nk") -> [M, N] float32, by the kernel.
+    Differentiable: the backward pass is jnp's (training never needs the kernel's speed)."""
+    _check(x, w, layout)
+    return _call(x, w, layout)
+
+
+def _forward(x, w, layout):
+    return multiply(x, w, layout), (x, w)
+
+
+def _backward(layout, residuals, grad):
+    x, w = residuals
+    _, pullback = jax.vjp(lambda a, b: reference(a, b, layout), x, w)
+    return pullback(grad)
+
+
+multiply.defvjp(_forward, _backward)

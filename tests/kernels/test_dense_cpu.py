@@ -1,0 +1,145 @@
+"""The CPU dense kernel (kernels_cpu/dense.cc) against jnp's product: random shapes with every
+tail (K and N off the 16- and 32-lane tiles, 1 to 20 rows, weights large enough to be split
+between threads), both layouts and both dtypes; a row's bits independent of the other rows and
+of the thread split; gradients; errors; and `dense` taking it exactly where ROWS says.
+
+The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
+`dense` keeps XLA's product (tests/model/test_dense.py covers that path)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_cpu import dense as dense_cpu
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not dense_cpu.available(),
+    reason="the CPU dense kernel needs XLA:CPU, x86-64 with AVX-512 and a C++ compiler")
+
+multiply = jax.jit(dense_cpu.multiply, static_argnums=2)
+reference = jax.jit(dense_cpu.reference, static_argnums=2)
+
+
+def _operands(rng: np.random.Generator, m: int, k: int, n: int, layout: str, dtype
+              ) -> tuple[jax.Array, jax.Array]:
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(dtype)
+    shape = (n, k) if layout == "nk" else (k, n)
+    w = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    return x, w
+
+
+def _assert_close(got: jax.Array, x: jax.Array, w: jax.Array, layout: str) -> None:
+    """Equal to the float64 product of the same (rounded) inputs within float32 accumulation
+    error: K terms, each product exact or rounded once, summed in some order."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = x64 @ (w64.T if layout == "nk" else w64)
+    magnitude = np.abs(x64) @ np.abs(w64.T if layout == "nk" else w64)
+    k = x.shape[1]
+    bound = (k + 2) * np.finfo(np.float32).eps * magnitude + 1e-30
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= bound), f"worst excess {np.max(err / bound):.2f}x the bound"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", dense_cpu.LAYOUTS)
+def test_random_shapes_match_the_exact_product(layout, dtype) -> None:
+    rng = np.random.default_rng(abs(hash((layout, str(dtype)))) % 2**32)
+    for trial in range(25):
+        m = int(rng.integers(1, 21))
+        k = int(rng.choice([1, 2, 15, 16, 17, 31, 32, 33, int(rng.integers(1, 700))]))
+        n = int(rng.choice([1, 7, 8, 9, 15, 16, 17, 33, int(rng.integers(1, 600))]))
+        if trial % 5 == 0:  # past the threading threshold (512 KiB of weight)
+            k, n = int(rng.integers(500, 700)), int(rng.integers(600, 1300))
+        x, w = _operands(rng, m, k, n, layout, dtype)
+        _assert_close(multiply(x, w, layout), x, w, layout)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", dense_cpu.LAYOUTS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout, dtype) -> None:
+    """Row i of an M-row call is the one-row call's result bit for bit, and so is any column
+    slice of it computed on its own (a different N, so a different split between threads and
+    tiles). A NaN in one row stays in that row."""
+    rng = np.random.default_rng(7)
+    for m, k, n in [(9, 577, 1100), (4, 64, 50), (13, 300, 700)]:
+        x, w = _operands(rng, m, k, n, layout, dtype)
+        x = x.at[2, 5].set(jnp.nan)
+        whole = np.asarray(multiply(x, w, layout))
+        assert np.isnan(whole[2]).all() and not np.isnan(np.delete(whole, 2, axis=0)).any()
+        for i in range(m):
+            np.testing.assert_array_equal(np.asarray(multiply(x[i:i + 1], w, layout))[0],
+                                          whole[i])
+        for lo, hi in [(0, 17), (n // 3, n - 5), (n - 1, n)]:
+            part = w[lo:hi] if layout == "nk" else w[:, lo:hi]
+            np.testing.assert_array_equal(np.asarray(multiply(x, part, layout)),
+                                          whole[:, lo:hi])
+
+
+def test_gradients_are_the_reference_products() -> None:
+    rng = np.random.default_rng(3)
+    for layout in dense_cpu.LAYOUTS:
+        x, w = _operands(rng, 3, 40, 24, layout, jnp.float32)
+
+        def loss(product):
+            return lambda x, w: jnp.sum(jnp.sin(product(x, w, layout)))
+
+        got = jax.grad(loss(dense_cpu.multiply), argnums=(0, 1))(x, w)
+        want = jax.grad(loss(dense_cpu.reference), argnums=(0, 1))(x, w)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_operands_are_refused() -> None:
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="layout"):
+        dense_cpu.multiply(x, jnp.ones((8, 4), jnp.float32), "mk")
+    with pytest.raises(ValueError, match="disagree on K"):
+        dense_cpu.multiply(x, jnp.ones((4, 8), jnp.float32), "kn")
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        dense_cpu.multiply(x, jnp.ones((8, 4), jnp.bfloat16), "kn")
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        dense_cpu.multiply(x.astype(jnp.float16), jnp.ones((8, 4), jnp.float16), "kn")
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        dense_cpu.multiply(x[None], jnp.ones((8, 4), jnp.float32), "kn")
+
+
+def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
+    """`infer.model.llama.dense` hands a product to the kernel iff its (layout, dtype, rows) is
+    in ROWS, under every leading shape a step gives; either way the value is the product's."""
+    from infer.model.llama import dense
+
+    rng = np.random.default_rng(11)
+    cases = [("bte,ef->btf", "kn"), ("btf,fe->bte", "kn"), ("...e,ve->...v", "nk")]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for equation, layout in cases:
+            for m in range(1, 10):
+                lead = (1, m) if equation.startswith("bt") else (m,)
+                k, n = 48, 80
+                x = jnp.asarray(rng.standard_normal((*lead, k), np.float32))
+                w_shape = (n, k) if layout == "nk" else (k, n)
+                w = jnp.asarray(rng.standard_normal(w_shape, np.float32)).astype(dtype)
+                fn = jax.jit(lambda x, w: dense(x, w, equation))
+                text = fn.lower(x, w).as_text()
+                expected = m in dense_cpu.ROWS.get((layout, jnp.dtype(dtype)), ())
+                assert (dense_cpu.TARGET in text) == expected, (dtype, equation, m)
+                got = fn(x, w)
+                assert got.shape == (*lead, n)
+                _assert_close(got.reshape(m, n), x.reshape(m, k).astype(dtype), w, layout)
+
+
+def test_dense_leaves_products_under_a_mesh_to_xla() -> None:
+    """Under a mesh XLA partitions the product; a custom call would have to be gathered whole."""
+    from infer.model.llama import dense
+
+    mesh = jax.make_mesh((1,), ("data",))
+    x = jnp.ones((1, 1, 48), jnp.float32)
+    w = jnp.ones((48, 80), jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf")).lower(x, w).as_text()
+    assert dense_cpu.TARGET not in text
+    assert dense_cpu.TARGET in jax.jit(lambda x, w: dense(x, w, "bte,ef->btf")).lower(
+        x, w).as_text()
