@@ -1,20 +1,21 @@
 // Products of a few rows of activations with a weight, on CPU, reading the weight once.
 //
-// XLA:CPU multiplies one float32 row by a GEMV that streams the weight at near copy speed, but
-// hands 2..8 rows, and bfloat16 weights at any row count, to GEMM paths that run at a third of
-// that (kernels_cpu/dense.py has the figures). Decode steps and verify steps are exactly those
-// products, and they are bound by reading the weight, so this kernel streams each weight tile
-// once and multiplies every row against it while it is in registers.
+// Decode and verify steps multiply a few rows by every weight, so they are bound by reading the
+// weights. XLA:CPU reads them at near the machine's streaming rate only in its one-row float32
+// GEMV; it hands 2-8 rows, and bfloat16 weights at any row count, to GEMM paths that stream a
+// half to a third as fast (`python -m experiments.dense_cpu`; figures in the README). This
+// kernel streams each weight once and multiplies every row against it as it passes.
 //
 //   out[m, n] = sum_k x[m, k] * w[k, n]   (layout "kn": the model's projections, [in, out])
 //   out[m, n] = sum_k x[m, k] * w[n, k]   (layout "nk": the tied vocabulary projection)
 //
 // x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is widened to
-// float32 in registers (a 16-bit shift), and products accumulate in float32 by FMA.
+// float32 in registers (a shift or a mask), or multiplied in pairs by VDPBF16PS where the CPU has
+// it ("nk"), and products accumulate in float32.
 //
-// Each output element is summed in an order that depends only on K and the layout, never on the
-// number of rows or on how the columns are split between threads, so a row's result is the same
-// bits whether it is multiplied alone or among others (tests/kernels/test_dense_cpu.py checks).
+// Each output element is summed in an order fixed by K and the layout alone, never by the number
+// of rows or the split between threads, so a row's result is the same bits whether it is
+// multiplied alone or among others (tests/kernels/test_dense_cpu.py checks).
 
 #include <immintrin.h>
 
@@ -61,19 +62,20 @@ inline __m512 load(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-// Layout "kn": R rows against columns [n0, n1), streaming the weight row by row.
+// Layout "kn": R rows against KB whole weight rows at a time, read front to back.
 //
 // A register tile that walks down a narrow column strip reads 64-128 bytes of each weight row at
 // a stride the hardware prefetchers do not follow; that ran at a third of the speed of XLA's
-// GEMV. Here KB whole row segments are read front to back at a time, and the running sums live in
-// `out` (R x (n1 - n0) floats, in L1), loaded and stored once per KB rows. Each sum still takes
-// its terms in order of k, one FMA at a time.
+// GEMV. Here the running sums live in memory (a block's partial sums, R x N floats, in cache),
+// loaded and stored once per KB rows. Each sum still takes its terms in order of k, one FMA at a
+// time.
 template <int R, int KB, bool kMasked, typename T>
-inline void kn_vector(const __m512 (&xv)[R][KB], const T* row, float* out, int64_t N, int64_t c,
-                      __mmask16 mask) {
+inline void kn_vector(const __m512 (&xv)[R][KB], const T* row, float* out, int64_t ldp,
+                      int64_t N, int64_t c, __mmask16 mask) {
   __m512 acc[R];
   UNROLL for (int r = 0; r < R; ++r)
-    acc[r] = kMasked ? _mm512_maskz_loadu_ps(mask, out + r * N + c) : _mm512_loadu_ps(out + r * N + c);
+    acc[r] = kMasked ? _mm512_maskz_loadu_ps(mask, out + r * ldp + c)
+                     : _mm512_loadu_ps(out + r * ldp + c);
   UNROLL for (int kk = 0; kk < KB; ++kk) {
     // The next pass's rows, fetched while this pass computes.
     _mm_prefetch(reinterpret_cast<const char*>(row + (16 * KB + kk) * N + c), _MM_HINT_T0);
@@ -82,23 +84,60 @@ inline void kn_vector(const __m512 (&xv)[R][KB], const T* row, float* out, int64
   }
   UNROLL for (int r = 0; r < R; ++r) {
     if (kMasked)
-      _mm512_mask_storeu_ps(out + r * N + c, mask, acc[r]);
+      _mm512_mask_storeu_ps(out + r * ldp + c, mask, acc[r]);
     else
-      _mm512_storeu_ps(out + r * N + c, acc[r]);
+      _mm512_storeu_ps(out + r * ldp + c, acc[r]);
   }
 }
 
 template <int R, int KB, typename T>
-void kn_rows(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t k0,
-             int64_t n0, int64_t n1) {
+void kn_rows(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t ldp,
+             int64_t k0) {
   __m512 xv[R][KB];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int kk = 0; kk < KB; ++kk) xv[r][kk] = _mm512_set1_ps(x[r * K + k0 + kk]);
   const T* row = w + k0 * N;
-  int64_t c = n0;
+  int64_t c = 0;
   // Full vectors unmasked: masked stores are slow on some x86 cores (AMD Zen 4 among them).
-  for (; c + kLanes <= n1; c += kLanes) kn_vector<R, KB, false>(xv, row, out, N, c, 0);
-  if (c < n1) kn_vector<R, KB, true>(xv, row, out, N, c, tail_mask(n1 - c));
+  for (; c + kLanes <= N; c += kLanes) kn_vector<R, KB, false>(xv, row, out, ldp, N, c, 0);
+  if (c < N) kn_vector<R, KB, true>(xv, row, out, ldp, N, c, tail_mask(N - c));
+}
+
+// bfloat16 "kn" rows, 32 columns a step from one 64-byte load: each 32-bit lane holds a column
+// (low half) and the next one (high half), widened by a shift and by a mask, with no shuffle.
+// The partial sums keep that order, per 32 columns 16 even then 16 odd (`add_blocks` puts the
+// columns back in order); their rows are padded to 32 columns, so the last group is stored whole.
+template <int R, int KB>
+void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, int64_t N,
+                    int64_t ldp, int64_t k0) {
+  __m512 xv[R][KB];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int kk = 0; kk < KB; ++kk) xv[r][kk] = _mm512_set1_ps(x[r * K + k0 + kk]);
+  const uint16_t* row = w + k0 * N;
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int64_t c = 0; c < N; c += 2 * kLanes) {
+    const int64_t left = N - c;
+    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
+                                              : __mmask32((uint64_t(1) << left) - 1);
+    __m512 even[R], odd[R];
+    UNROLL for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_loadu_ps(out + r * ldp + c);
+      odd[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
+    }
+    UNROLL for (int kk = 0; kk < KB; ++kk) {
+      const __m512i pairs = _mm512_maskz_loadu_epi16(mask, row + kk * N + c);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      UNROLL for (int r = 0; r < R; ++r) {
+        even[r] = _mm512_fmadd_ps(xv[r][kk], e, even[r]);
+        odd[r] = _mm512_fmadd_ps(xv[r][kk], o, odd[r]);
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * ldp + c, even[r]);
+      _mm512_storeu_ps(out + r * ldp + c + kLanes, odd[r]);
+    }
+  }
 }
 
 // Weight rows per pass: as many as leave R x KB broadcast rows in registers.
@@ -108,13 +147,18 @@ constexpr int kn_rows_per_pass() {
 }
 
 template <int R, typename T>
-void kn_panel(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t n0,
-              int64_t n1) {
-  for (int r = 0; r < R; ++r) std::fill(out + r * N + n0, out + r * N + n1, 0.0f);
+void kn_block(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t ldp,
+              int64_t k0, int64_t k1) {
+  for (int r = 0; r < R; ++r) std::fill(out + r * ldp, out + (r + 1) * ldp, 0.0f);
   constexpr int KB = kn_rows_per_pass<R>();
-  int64_t k = 0;
-  for (; k + KB <= K; k += KB) kn_rows<R, KB, T>(x, w, out, K, N, k, n0, n1);
-  for (; k < K; ++k) kn_rows<R, 1, T>(x, w, out, K, N, k, n0, n1);
+  int64_t k = k0;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    for (; k + KB <= k1; k += KB) kn_rows_paired<R, KB>(x, w, out, K, N, ldp, k);
+    for (; k < k1; ++k) kn_rows_paired<R, 1>(x, w, out, K, N, ldp, k);
+  } else {
+    for (; k + KB <= k1; k += KB) kn_rows<R, KB, T>(x, w, out, K, N, ldp, k);
+    for (; k < k1; ++k) kn_rows<R, 1, T>(x, w, out, K, N, ldp, k);
+  }
 }
 
 // Layout "nk": R rows times NB weight rows [n, n + NB), each a dot product over K.
@@ -172,6 +216,7 @@ struct Operands {
   const T* w;
   float* out;
   int64_t M, K, N;
+  int64_t ldp = 0;  // "kn": the row stride of the partial sums (N padded to 32 columns)
 };
 
 // Weight rows per "nk" tile: as many as leave the R x nb accumulators in the 32 registers.
@@ -180,16 +225,16 @@ constexpr int nk_rows_per_tile(int most) {
   return R <= 2 ? most : (R <= 4 ? std::min(most, 4) : std::min(most, 2));
 }
 
-// R rows (R <= 8) starting at row m, against columns [n, n + count) ("kn") or weight rows
-// [n, n + count) ("nk").
+// R rows (R <= 8) starting at row m, against weight rows [n, n + count): rows of K ("kn", a
+// block's partial sums for every column) or rows of N ("nk", whole outputs).
 template <int R, typename T>
 void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
   const float* x = o.x + m * o.K;
-  float* out = o.out + m * o.N;
   if (!nk) {
-    kn_panel<R, T>(x, o.w, out, o.K, o.N, n, n + count);
+    kn_block<R, T>(x, o.w, o.out + m * o.ldp, o.K, o.N, o.ldp, n, n + count);
     return;
   }
+  float* out = o.out + m * o.N;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     constexpr int nb = nk_rows_per_tile<R>(8);
@@ -226,15 +271,66 @@ void all_rows(const Operands<T>& o, bool nk, int64_t n, int64_t count) {
   }
 }
 
-// Columns ("kn") or weight rows ("nk") per unit of work.
-constexpr int64_t kKnUnit = kLanes;
+// A unit of work: kKnBlockRows rows of a [K, N] weight ("kn"), or kNkUnit rows of a [N, K] one
+// ("nk").
+//
+// A "kn" block is a contiguous run of whole weight rows, read front to back, so each thread
+// streams memory the hardware prefetchers follow (splitting the columns instead left each thread
+// half-rows, short runs with gaps, and ran at two thirds of the speed). Each block sums its rows
+// into partial sums of its own, and the blocks' partials are added in block order: the order of
+// every sum is fixed by K alone, whatever the threads and rows.
+constexpr int64_t kKnBlockRows = 96;
 constexpr int64_t kNkUnit = 8;
 
 template <typename T>
-void run_units(const Operands<T>& o, bool nk, int64_t first, int64_t last) {
-  const int64_t unit = nk ? kNkUnit : kKnUnit;
-  for (int64_t u = first; u < last; ++u)
-    all_rows(o, nk, u * unit, std::min(unit, o.N - u * unit));
+void run_units(const Operands<T>& o, float* partials, bool nk, int64_t first, int64_t last) {
+  for (int64_t u = first; u < last; ++u) {
+    if (nk) {
+      all_rows(o, true, u * kNkUnit, std::min(kNkUnit, o.N - u * kNkUnit));
+    } else {
+      Operands<T> block = o;
+      block.out = partials + u * o.M * o.ldp;
+      all_rows(block, false, u * kKnBlockRows, std::min(kKnBlockRows, o.K - u * kKnBlockRows));
+    }
+  }
+}
+
+// out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order; `paired`: each
+// 32 columns of the partials hold 16 even columns, then 16 odd ones (kn_rows_paired).
+inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t N, int64_t ldp,
+                       bool paired, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  auto sum = [&](int64_t m, int64_t c) {
+    const float* p = partials + m * ldp + c;
+    __m512 s = _mm512_loadu_ps(p);
+    for (int64_t b = 1; b < blocks; ++b) s = _mm512_add_ps(s, _mm512_loadu_ps(p + b * M * ldp));
+    return s;
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = out + m * N;
+    if (!paired) {
+      for (int64_t c = 0; c < N; c += kLanes) {
+        const __m512 s = sum(m, c);  // ldp is N padded to 32 columns: whole vectors to load
+        if (c + kLanes <= N) _mm512_storeu_ps(row + c, s);
+        else _mm512_mask_storeu_ps(row + c, tail_mask(N - c), s);
+      }
+      continue;
+    }
+    for (int64_t c = 0; c < N; c += 2 * kLanes) {
+      const __m512 even = sum(m, c), odd = sum(m, c + kLanes);
+      const __m512 lo = _mm512_permutex2var_ps(even, first, odd);
+      const __m512 hi = _mm512_permutex2var_ps(even, second, odd);
+      if (c + 2 * kLanes <= N) {
+        _mm512_storeu_ps(row + c, lo);
+        _mm512_storeu_ps(row + c + kLanes, hi);
+      } else {
+        _mm512_mask_storeu_ps(row + c, tail_mask(N - c), lo);
+        if (N - c > kLanes) _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), hi);
+      }
+    }
+  }
 }
 
 // Weights smaller than this are multiplied on the calling thread: handing half of a few hundred
@@ -264,28 +360,36 @@ struct Chunks {
 
 template <typename T>
 void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
-  const int64_t unit = nk ? kNkUnit : kKnUnit;
-  const int64_t units = (o.N + unit - 1) / unit;
+  const int64_t units = nk ? (o.N + kNkUnit - 1) / kNkUnit : (o.K + kKnBlockRows - 1) / kKnBlockRows;
+  // The calling thread's scratch for "kn" partial sums, kept between calls (pool threads write
+  // into it only while this call waits for them).
+  thread_local std::vector<float> scratch;
+  float* partials = nullptr;
+  Operands<T> op = o;
+  if (!nk) {
+    op.ldp = (o.N + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+    if (int64_t(scratch.size()) < units * o.M * op.ldp) scratch.resize(units * o.M * op.ldp);
+    partials = scratch.data();
+  }
   const int64_t helpers = std::max<int64_t>(pool.num_threads() - 1, 0);
   const int64_t weight_bytes = o.K * o.N * int64_t(sizeof(T));
   if (helpers == 0 || weight_bytes < kParallelBytes || units < 2) {
-    run_units(o, nk, 0, units);
-    return;
+    run_units(op, partials, nk, 0, units);
+  } else {
+    auto chunks = std::make_shared<Chunks>();
+    // "nk": four chunks a thread even out threads that start late. "kn" blocks are chunks.
+    chunks->count = nk ? std::min<int64_t>(units, 4 * (helpers + 1)) : units;
+    const int64_t per_chunk = (units + chunks->count - 1) / chunks->count;
+    chunks->count = (units + per_chunk - 1) / per_chunk;
+    chunks->run = [=](int64_t c) {
+      run_units(op, partials, nk, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+    };
+    for (int64_t t = 0; t < std::min(helpers, chunks->count - 1); ++t)
+      pool.Schedule([chunks] { chunks->drain(); });
+    chunks->drain();
+    while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
   }
-  auto chunks = std::make_shared<Chunks>();
-  // "kn" panels are as wide as they can be (a thread's share of the columns), so that each
-  // weight row is read in long runs; "nk" tiles are small, so four chunks a thread even out
-  // threads that start late.
-  chunks->count = std::min<int64_t>(units, (nk ? 4 : 1) * (helpers + 1));
-  const int64_t per_chunk = (units + chunks->count - 1) / chunks->count;
-  chunks->count = (units + per_chunk - 1) / per_chunk;
-  chunks->run = [=](int64_t c) {
-    run_units(o, nk, c * per_chunk, std::min(units, (c + 1) * per_chunk));
-  };
-  for (int64_t t = 0; t < std::min(helpers, chunks->count - 1); ++t)
-    pool.Schedule([chunks] { chunks->drain(); });
-  chunks->drain();
-  while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
+  if (!nk) add_blocks(partials, units, o.M, o.N, op.ldp, std::is_same_v<T, uint16_t>, o.out);
 }
 
 ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,

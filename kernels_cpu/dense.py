@@ -2,26 +2,24 @@
 
 Why: decode and verify steps multiply a few rows by every weight, so they are bound by reading
 the weights, and XLA:CPU reads them slowly outside one case. On the development machine (AMD
-EPYC, 2 cores, `python -m experiments.dense_cpu`, figures in the README) SmolLM2's vocabulary
-projection, [M, 576] x [576, 49152]:
-- float32, one row: XLA's GEMV streams the weight at about 43 GB/s;
-- float32, 2-8 rows: XLA's GEMM (YNNPACK) runs at about 22 GB/s, so a verify step of k + 1
-  positions paid for a second read;
-- bfloat16, any rows: about 16 GB/s, so bfloat16, half the bytes, was barely faster than
-  float32.
+EPYC, 2 cores, `python -m experiments.dense_cpu`, figures in the README), through SmolLM2's MLP
+weights, XLA streams one float32 row at about 29 GB/s (its GEMV) but 2-8 float32 rows at 15-18
+GB/s, and bfloat16 weights, half the bytes, at 10-14 GB/s at any row count: a bfloat16 decode
+step was barely faster than a float32 one.
 
-`dense.cc` streams each weight tile once and multiplies every row against it in registers,
-with float32 accumulation; bfloat16 is widened in registers. It is built on first use with the
-machine's C++ compiler for the machine's own CPU (`-march=native`, about 3 s) into
+`dense.cc` streams each weight once and multiplies every row against it, with float32
+accumulation; bfloat16 is widened in registers. It is built on first use with the machine's C++
+compiler for the machine's own CPU (`-march=native`, a few seconds) into
 `~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the source, the compiler, the
-jaxlib headers and the CPU. It needs AVX-512 (F, BW); without it, or without a compiler,
-`available()` is False and `infer.model.llama.dense` keeps XLA's product.
+jaxlib headers and the CPU. It needs x86-64 with AVX-512 (F, BW); without it, or without a
+compiler, `available()` is False and `infer.model.llama.dense` keeps XLA's product.
 `INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it.
 
 Each output element is summed in an order fixed by K and the layout alone, so a row's result
 does not depend on which other rows share the call (batch invariance).
 
-`reference` is the jnp product it must equal, `multiply` the kernel.
+`reference` is the jnp product it must equal, `multiply` the kernel, `ROWS` the products
+`dense` hands it.
 """
 
 from __future__ import annotations
@@ -115,12 +113,12 @@ def available() -> bool:
     return True
 
 
-# Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product inside a chain
-# of SmolLM2-sized layers on the development machine (`python -m experiments.dense_cpu`). XLA
-# keeps one-row float32 products (its GEMV streams them faster), products of more rows (its
-# GEMMs compute faster than these tiles once the rows outweigh the read), and float32 [N, K]
-# weights (infer.model.llama's multiply-and-reduce).
-ROWS = {("kn", jnp.dtype(jnp.float32)): range(2, 4), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 5),
+# Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
+# development machine (`python -m experiments.dense_cpu`). XLA keeps products of more rows (its
+# GEMMs compute faster than these tiles once the rows outweigh the read) and float32 [N, K]
+# weights (its one-row GEMV matched the kernel, and infer.model.llama's multiply-and-reduce
+# matched it at 2-8 rows).
+ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 4), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 5),
         ("nk", jnp.dtype(jnp.bfloat16)): range(1, 8)}
 
 
