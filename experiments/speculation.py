@@ -112,6 +112,8 @@ flags.DEFINE_float("draft_confidence", 0.0, "model drafts stop before the first 
                    "0: no stop", flag_values=FLAGS)
 flags.DEFINE_string("eagle_path", "", "the EAGLE head (EAGLE-1 or EAGLE-3) of method eagle and "
                     "of the tree part; empty: SpeculativeConfig's default", flag_values=FLAGS)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "the target's weights (and KV "
+                  "cache); draft heads and draft models keep their own dtype", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
 define_resume_flag(FLAGS)
@@ -392,7 +394,10 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
     total = len(batch_sizes) * (len(kinds) * len(temperatures)
                                 + (len(runnable) * len(ks) + len(trees)) * len(temperatures))
     bar = tqdm(total=total, desc="engine runs")
+    # Float32 rows carry no dtype, so that rows measured before the flag keep their keys.
+    weights = str(model.embed[...].dtype)
     common = {"experiment": "speculation", "part": "engine", "max_tokens": max_tokens,
+              **({} if weights == "float32" else {"dtype": weights}),
               "snippet_chars": snippet_chars, "warmup": warmup, "seed": seed}
 
     def engine(batch: int, speculative: dict | None):
@@ -701,10 +706,11 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         seed: int, out: str, dynamic_trees: Sequence[str] = (), loaded=None, prompts: dict[str, list[list[int]]] | None = None,
         eagle_path: str = "", resume: bool = False, tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, draft_vocab_size: int = 0, prompt_kind: str = "",
-        draft_confidence: float = 0.0, engine_trees: Sequence[str] = ()) -> list[dict[str, Any]]:
+        draft_confidence: float = 0.0, engine_trees: Sequence[str] = (),
+        dtype: str = "float32") -> list[dict[str, Any]]:
     """Runs the parts; returns this run's rows as `out` holds them (each appended the moment
     it is measured; with `resume`, points already there are not measured again). `loaded` is
-    (config, model, tokenizer), SmolLM2 float32 when None; `prompts` ({"grounded": ...,
+    (config, model, tokenizer), SmolLM2 in `dtype` when None; `prompts` ({"grounded": ...,
     "chat": ...} token ids) and `eagle_path` replace the defaults (tests run a tiny model
     this way)."""
     from experiments.common import ResultLog, markdown_table, one_engine, plot_path
@@ -715,7 +721,7 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
                          f"speculative decoding runs on one device (its proposers are not "
                          f"placed on a mesh)")
     one_engine("speculation", data_parallel_size=data_parallel_size)
-    loaded = loaded or load("smollm2-135m", "float32")
+    loaded = loaded or load("smollm2-135m", dtype)
     log = ResultLog(out, resume=resume)
     if "engine" in parts:
         run_engine(methods=methods, ks=ks, temperatures=temperatures, batch_sizes=batch_sizes,
