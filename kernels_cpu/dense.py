@@ -32,6 +32,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -92,11 +93,23 @@ def _build() -> Path:
     return library
 
 
-@functools.cache
+# Whether this process has the kernel: decided once, under a lock, since engine threads trace
+# their first programs concurrently and each would otherwise build and register it.
+_LOADED: dict[str, bool] = {}
+_LOADING = threading.Lock()
+
+
 def available() -> bool:
     """Whether the kernel is built and registered with XLA:CPU. False (and XLA's product is
     used) when INFER_CPU_KERNELS=0, off x86-64, or when the build fails (no compiler, no
     AVX-512); the reason goes to stderr once."""
+    with _LOADING:
+        if "kernel" not in _LOADED:
+            _LOADED["kernel"] = _load()
+        return _LOADED["kernel"]
+
+
+def _load() -> bool:
     if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
         return False
     if platform.machine() not in ("x86_64", "AMD64"):
