@@ -21,11 +21,11 @@ import numpy as np
 from flax import nnx
 
 from infer.cache.metadata import AttentionMetadata
-from kernels_cpu import dense as dense_cpu
 from infer.cache.protocol import CacheT
 from infer.model.config import LlamaConfig
 from infer.model.sharding import (BATCH, EMBED, FFN, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
                                   replicate, shard)
+from kernels_cpu import dense as dense_cpu
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, rngs: nnx.Rngs | None,
@@ -105,12 +105,8 @@ def _reduces_few_rows(x: jax.Array, w: jax.Array, equation: str) -> bool:
     row stays a GEMV (the reduction took 340 ms there), 16-bit weights a GEMM (2.4-2.6 ms for
     2-5 bfloat16 rows already), and weights stored [K, N] a GEMM (their products barely change
     from 1 to 5 rows)."""
-    if (jax.default_backend() != "cpu" or w.dtype != jnp.float32 or w.ndim != 2
-            or not 2 <= math.prod(x.shape[:-1]) <= FEW_ROWS):
-        return False
-    inputs, out = equation.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    return rhs[1] == lhs[-1] and out == lhs[:-1] + rhs[0]
+    return (jax.default_backend() == "cpu" and w.dtype == jnp.float32 and w.ndim == 2
+            and 2 <= math.prod(x.shape[:-1]) <= FEW_ROWS and _weight_layout(equation) == "nk")
 
 
 def _few_rows_product(x: jax.Array, w: jax.Array) -> jax.Array:
