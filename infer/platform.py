@@ -34,6 +34,13 @@ def logger() -> logging.Logger:
     return log
 
 
+def cache_root() -> str:
+    """Where infer keeps what it builds once per machine (compiled programs, CPU kernels):
+    $INFER_CACHE_DIR, else ~/.cache/infer."""
+    return os.environ.get("INFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                             "infer")
+
+
 def enable_compilation_cache(path: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache (default `~/.cache/infer/xla`, or
     $INFER_CACHE_DIR/xla): a second run of an experiment loads its compiled programs from disk
@@ -41,9 +48,7 @@ def enable_compilation_cache(path: str | None = None) -> str:
     import jax
 
     if path is None:
-        root = os.environ.get("INFER_CACHE_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "infer")
-        path = os.path.join(root, "xla")
+        path = os.path.join(cache_root(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from infer.platform import cache_root
 
 TARGET = "infer_dense_cpu"
 SOURCE = Path(__file__).with_name("dense.cc")
@@ -55,12 +56,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("INFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                             "infer")
-    return Path(root) / "kernels"
-
-
 def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
@@ -72,7 +67,7 @@ def _build() -> Path:
                              check=True).stdout.splitlines()[0]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"libinfer_dense_{key}.so"
+    library = Path(cache_root()) / "kernels" / f"libinfer_dense_{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -93,9 +88,8 @@ def _build() -> Path:
     return library
 
 
-# Whether this process has the kernel: decided once, under a lock, since engine threads trace
-# their first programs concurrently and each would otherwise build and register it.
-_LOADED: dict[str, bool] = {}
+# Engine threads trace their first programs concurrently; the lock keeps them from each
+# building and registering the kernel.
 _LOADING = threading.Lock()
 
 
@@ -104,11 +98,10 @@ def available() -> bool:
     used) when INFER_CPU_KERNELS=0, off x86-64, or when the build fails (no compiler, no
     AVX-512); the reason goes to stderr once."""
     with _LOADING:
-        if "kernel" not in _LOADED:
-            _LOADED["kernel"] = _load()
-        return _LOADED["kernel"]
+        return _load()
 
 
+@functools.cache
 def _load() -> bool:
     if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
         return False
