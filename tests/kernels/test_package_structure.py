@@ -4,9 +4,9 @@ A leading-underscore name is private to the file that defines it. Importing one 
 (`from infer.eagle import _check_format`, `from .model import _param`) couples the two files
 through an internal detail that neither advertises: the owner can rename or change it at any time.
 What two files share must be public. The check is static (AST), over every .py file under
-`kernels_pallas/` and `infer/`, for `from <module> import <name>` in absolute and relative form,
-where <module> is another file of this repo (infer.* or kernels_pallas.*) and <name> starts with
-an underscore (dunders such as __version__ excepted).
+`kernels_pallas/`, `kernels_cpu/` and `infer/`, for `from <module> import <name>` in absolute
+and relative form, where <module> is another file of this repo (infer.*, kernels_pallas.* or
+kernels_cpu.*) and <name> starts with an underscore (dunders such as __version__ excepted).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REPO_PACKAGES = ("infer", "kernels_pallas")
+REPO_PACKAGES = ("infer", "kernels_pallas", "kernels_cpu")
 
 
 def _is_private(name: str) -> bool:
