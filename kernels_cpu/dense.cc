@@ -72,9 +72,11 @@ inline void kn_vector(const __m512 (&xv)[R][KB], const float* row, float* out, i
     acc[r] = kMasked ? _mm512_maskz_loadu_ps(mask, out + r * ldp + c)
                      : _mm512_loadu_ps(out + r * ldp + c);
   UNROLL for (int kk = 0; kk < KB; ++kk) {
-    // Rows 16 passes ahead, fetched while this pass computes (faster than 1 or 4 passes ahead
-    // in an earlier version of this loop; past the end of the weight a prefetch is harmless).
-    _mm_prefetch(reinterpret_cast<const char*>(row + (16 * KB + kk) * N + c), _MM_HINT_T0);
+    // The next pass's rows, fetched while this pass computes: with more rows a pass takes
+    // longer than the hardware prefetchers look ahead (1 pass ahead beat 0, 2, 3, 4, 8 and 16
+    // at 8 rows per pass, interleaved in one process; past the end of the weight a prefetch
+    // is harmless).
+    _mm_prefetch(reinterpret_cast<const char*>(row + (KB + kk) * N + c), _MM_HINT_T0);
     const __m512 wv = kMasked ? load(row + kk * N + c, mask) : load(row + kk * N + c);
     UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(xv[r][kk], wv, acc[r]);
   }
@@ -122,6 +124,7 @@ void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, in
       odd[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
     }
     UNROLL for (int kk = 0; kk < KB; ++kk) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + (KB + kk) * N + c), _MM_HINT_T0);  // as kn_vector
       const __m512i pairs = _mm512_maskz_loadu_epi16(mask, row + kk * N + c);
       const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
       const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
@@ -137,18 +140,18 @@ void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, in
   }
 }
 
-// Weight rows per pass: as many as leave R x KB broadcast rows in registers.
-template <int R>
-constexpr int kn_rows_per_pass() {
-  return R <= 2 ? 8 : (R <= 4 ? 4 : 2);
-}
+// Weight rows per pass. Each pass loads and stores the R rows of partial sums once, so the more
+// weight rows per pass, the less of that traffic per weight byte: passes of 8 rows beat 2, 3, 4
+// and 6 at 3-5 rows, and 12 and 16 too in float32 (interleaved in one process). The broadcast
+// values that do not fit in registers are read from the stack, in cache.
+constexpr int kKnRowsPerPass = 8;
 
 template <int R, typename T>
 void kn_block(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t ldp,
               int64_t k0, int64_t k1) {
   for (int r = 0; r < R; ++r) std::fill(out + r * ldp, out + (r + 1) * ldp, 0.0f);
-  constexpr int KB = kn_rows_per_pass<R>();
   int64_t k = k0;
+  constexpr int KB = kKnRowsPerPass;
   if constexpr (std::is_same_v<T, uint16_t>) {
     for (; k + KB <= k1; k += KB) kn_rows_paired<R, KB>(x, w, out, K, N, ldp, k);
     for (; k < k1; ++k) kn_rows_paired<R, 1>(x, w, out, K, N, ldp, k);
@@ -167,6 +170,10 @@ void nk_tile(const float* x, const T* w, float* out, int64_t K, int64_t N, int64
   for (int64_t k = 0; k < K; k += kLanes) {
     const __mmask16 mask = tail_mask(K - k);
     __m512 wv[NB];
+    // The same place in the rows two tiles on: the tiles' rows are one contiguous run, which
+    // this loop reads NB rows at a time, a pattern the hardware prefetchers follow too late.
+    UNROLL for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + 2 * NB) * K + k), _MM_HINT_T0);
     UNROLL for (int j = 0; j < NB; ++j) wv[j] = load(w + (n + j) * K + k, mask);
     UNROLL for (int r = 0; r < R; ++r) {
       const __m512 xv = load(x + r * K + k, mask);
@@ -192,6 +199,8 @@ void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t K, i
     const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFF)
                                               : __mmask32((uint64_t(1) << left) - 1);
     __m512bh wv[NB];
+    UNROLL for (int j = 0; j < NB; ++j)  // as in nk_tile
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + 2 * NB) * K + k), _MM_HINT_T0);
     UNROLL for (int j = 0; j < NB; ++j)
       wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + j) * K + k);
     UNROLL for (int r = 0; r < R; ++r) {
@@ -216,10 +225,11 @@ struct Operands {
   int64_t ldp = 0;  // "kn": the row stride of the partial sums (N padded to 32 columns)
 };
 
-// Weight rows per "nk" tile: as many as leave the R x nb accumulators in the 32 registers.
+// Weight rows per "nk" tile: as many as leave the R x nb accumulators and the nb weight vectors
+// in the 32 registers. kNkUnit is a multiple of each.
 template <int R>
-constexpr int nk_rows_per_tile(int most) {
-  return R <= 2 ? most : (R <= 4 ? std::min(most, 4) : std::min(most, 2));
+constexpr int nk_rows_per_tile() {
+  return R <= 2 ? 8 : (R <= 4 ? 6 : (R <= 6 ? 4 : 3));
 }
 
 // R rows (R <= 8) starting at row m, against weight rows [n, n + count): rows of K ("kn", a
@@ -234,7 +244,7 @@ void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
   float* out = o.out + m * o.N;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
-    constexpr int nb = nk_rows_per_tile<R>(8);
+    constexpr int nb = nk_rows_per_tile<R>();
     const uint16_t* x16 = o.x16 + m * o.K;
     int64_t j = n;
     for (; j + nb <= n + count; j += nb) nk_tile_bf16<R, nb>(x16, o.w, out, o.K, o.N, j);
@@ -242,7 +252,7 @@ void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
     return;
   }
 #endif
-  constexpr int nb = nk_rows_per_tile<R>(8);
+  constexpr int nb = nk_rows_per_tile<R>();
   int64_t j = n;
   for (; j + nb <= n + count; j += nb) nk_tile<R, nb, T>(x, o.w, out, o.K, o.N, j);
   for (; j < n + count; ++j) nk_tile<R, 1, T>(x, o.w, out, o.K, o.N, j);
@@ -277,7 +287,7 @@ void all_rows(const Operands<T>& o, bool nk, int64_t n, int64_t count) {
 // into partial sums of its own, and the blocks' partials are added in block order: the order of
 // every sum is fixed by K alone, whatever the threads and rows.
 constexpr int64_t kKnBlockRows = 96;
-constexpr int64_t kNkUnit = 8;
+constexpr int64_t kNkUnit = 24;
 
 template <typename T>
 void run_units(const Operands<T>& o, float* partials, bool nk, int64_t first, int64_t last) {

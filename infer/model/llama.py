@@ -46,15 +46,15 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
 
     On CPU, products of a few rows (decode and verify steps) are bound by reading the weight,
     which XLA:CPU does slowly outside a one-row float32 GEMV; the products `kernels_cpu.dense`
-    streams faster (its ROWS table: bfloat16 with 1-4 rows, and with 1-7 rows for the [N, K]
-    vocabulary projection; float32 [in, out] weights with 1-3 rows) go to that kernel, unless a
-    mesh is active.
+    streams faster (its ROWS table: up to 8 rows, 5 for bfloat16 [in, out] weights; a one-row
+    float32 product with the [N, K] vocabulary projection stays XLA's GEMV) go to that kernel,
+    unless a mesh is active.
     Without the kernel (no AVX-512 or no compiler), a one-row product with 16-bit weights is
     padded to two rows: XLA:CPU sends a one-row bfloat16 dot down a path that first converts the
     whole weight to float32 (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took
-    31 ms, against 2.9 ms for two rows). A float32 product of a few rows with a [N, K] weight (a
-    verify step's k + 1 positions through the vocabulary projection) is a multiply-and-reduce
-    on CPU (`_reduces_few_rows`). Accelerators are not affected."""
+    31 ms, against 2.9 ms for two rows), and a float32 product of a few rows with a [N, K]
+    weight (a verify step's k + 1 positions through the vocabulary projection) is a
+    multiply-and-reduce (`_reduces_few_rows`). Accelerators are not affected."""
     x = x.astype(w.dtype)
     num_rows = math.prod(x.shape[:-1])
     layout = _weight_layout(equation)
