@@ -116,7 +116,9 @@ def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
     cases = [("bte,ef->btf", "kn"), ("btf,fe->bte", "kn"), ("...e,ve->...v", "nk")]
     for dtype in (jnp.float32, jnp.bfloat16):
         for equation, layout in cases:
-            for m in range(1, 10):
+            # 1-9 rows, and each range's last row count and the one after it.
+            ends = {max(r) for r in dense_cpu.ROWS.values()}
+            for m in sorted(set(range(1, 10)) | {e + d for e in ends for d in (0, 1)}):
                 lead = (1, m) if equation.startswith("bt") else (m,)
                 k, n = 48, 80
                 x = jnp.asarray(rng.standard_normal((*lead, k), np.float32))
