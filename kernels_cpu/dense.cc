@@ -9,9 +9,9 @@
 //   out[m, n] = sum_k x[m, k] * w[k, n]   (layout "kn": the model's projections, [in, out])
 //   out[m, n] = sum_k x[m, k] * w[n, k]   (layout "nk": the tied vocabulary projection)
 //
-// x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is widened to
-// float32 in registers (a shift or a mask), or multiplied in pairs by VDPBF16PS where the CPU has
-// it ("nk"), and products accumulate in float32.
+// x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is multiplied in
+// pairs by VDPBF16PS where the CPU has it (AVX512-BF16), else widened to float32 in registers (a
+// shift or a mask); products accumulate in float32.
 //
 // Each output element is summed in an order fixed by K and the layout alone, never by the number
 // of rows or the split between threads, so a row's result is the same bits whether it is
@@ -103,7 +103,8 @@ void kn_rows(const float* x, const float* w, float* out, int64_t K, int64_t N, i
   if (c < N) kn_vector<R, KB, true>(xv, row, out, ldp, N, c, tail_mask(N - c));
 }
 
-// bfloat16 "kn" rows, 32 columns a step from one 64-byte load: each 32-bit lane holds a column
+// bfloat16 "kn" rows on CPUs without AVX512-BF16 (kn_rows_dot below where it has it), 32
+// columns a step from one 64-byte load: each 32-bit lane holds a column
 // (low half) and the next one (high half), widened by a shift and by a mask, with no shuffle.
 // The partial sums keep that order, per 32 columns 16 even then 16 odd (`add_blocks` puts the
 // columns back in order); their rows are padded to 32 columns, so the last group is stored whole.
@@ -147,13 +148,72 @@ void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, in
 // values that do not fit in registers are read from the stack, in cache.
 constexpr int kKnRowsPerPass = 8;
 
+#if defined(__AVX512BF16__)
+// bfloat16 "kn" rows where the CPU multiplies bfloat16 pairs itself (VDPBF16PS), two weight rows
+// at a time: the same 32 columns of rows k and k + 1, interleaved word by word (an unpack within
+// each 128-bit lane), form pairs (w[k][c], w[k + 1][c]) that one instruction multiplies by
+// (x[k], x[k + 1]) and adds to column c's sum: half the multiply instructions of widening to
+// float32, and no widening. Each lane adds its pair in a fixed order, so every sum's order is
+// still fixed by K. The unpack leaves columns in the order {0-3, 8-11, 16-19, 24-27} (`lo`) and
+// {4-7, 12-15, 20-23, 28-31} (`hi`) of each 32; the partial sums keep it (`add_blocks` undoes
+// it). `x` holds the rows as bfloat16; a row k + 1 past `last` counts as zeros.
+template <int R, int KP>
+void kn_rows_dot(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N,
+                 int64_t ldp, int64_t k0, int64_t last) {
+  __m512bh xv[R][KP];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int p = 0; p < KP; ++p) {
+      const int64_t k = k0 + 2 * p;
+      const uint32_t high = k + 1 < last ? x[r * K + k + 1] : 0;
+      xv[r][p] = (__m512bh)_mm512_set1_epi32(int(x[r * K + k] | (high << 16)));
+    }
+  const uint16_t* row = w + k0 * N;
+  const bool whole = k0 + 2 * KP <= last;
+  for (int64_t c = 0; c < N; c += 2 * kLanes) {
+    const int64_t left = N - c;
+    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
+                                              : __mmask32((uint64_t(1) << left) - 1);
+    __m512 lo[R], hi[R];
+    UNROLL for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_loadu_ps(out + r * ldp + c);
+      hi[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
+    }
+    UNROLL for (int p = 0; p < KP; ++p) {
+      // The next pass's rows, into L2, as kn_vector.
+      _mm_prefetch(reinterpret_cast<const char*>(row + (2 * KP + 2 * p) * N + c), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(row + (2 * KP + 2 * p + 1) * N + c),
+                   _MM_HINT_T1);
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, row + 2 * p * N + c);
+      const __m512i b = whole ? _mm512_maskz_loadu_epi16(mask, row + (2 * p + 1) * N + c)
+                              : _mm512_setzero_si512();
+      const __m512bh wl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh wh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      UNROLL for (int r = 0; r < R; ++r) {
+        lo[r] = _mm512_dpbf16_ps(lo[r], xv[r][p], wl);
+        hi[r] = _mm512_dpbf16_ps(hi[r], xv[r][p], wh);
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * ldp + c, lo[r]);
+      _mm512_storeu_ps(out + r * ldp + c + kLanes, hi[r]);
+    }
+  }
+}
+#endif
+
+
 template <int R, typename T>
-void kn_block(const float* x, const T* w, float* out, int64_t K, int64_t N, int64_t ldp,
-              int64_t k0, int64_t k1) {
+void kn_block(const float* x, const uint16_t* x16, const T* w, float* out, int64_t K, int64_t N,
+              int64_t ldp, int64_t k0, int64_t k1) {
   for (int r = 0; r < R; ++r) std::fill(out + r * ldp, out + (r + 1) * ldp, 0.0f);
   int64_t k = k0;
   constexpr int KB = kKnRowsPerPass;
   if constexpr (std::is_same_v<T, uint16_t>) {
+#if defined(__AVX512BF16__)
+    for (; k + KB <= k1; k += KB) kn_rows_dot<R, KB / 2>(x16, w, out, K, N, ldp, k, k1);
+    for (; k < k1; k += 2) kn_rows_dot<R, 1>(x16, w, out, K, N, ldp, k, k1);
+    return;
+#endif
     for (; k + KB <= k1; k += KB) kn_rows_paired<R, KB>(x, w, out, K, N, ldp, k);
     for (; k < k1; ++k) kn_rows_paired<R, 1>(x, w, out, K, N, ldp, k);
   } else {
@@ -240,7 +300,8 @@ template <int R, typename T>
 void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
   const float* x = o.x + m * o.K;
   if (!nk) {
-    kn_block<R, T>(x, o.w, o.out + m * o.ldp, o.K, o.N, o.ldp, n, n + count);
+    kn_block<R, T>(x, o.x16 ? o.x16 + m * o.K : nullptr, o.w, o.out + m * o.ldp, o.K, o.N, o.ldp,
+                   n, n + count);
     return;
   }
   float* out = o.out + m * o.N;
@@ -304,13 +365,32 @@ void run_units(const Operands<T>& o, float* partials, bool nk, int64_t first, in
   }
 }
 
-// out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order; `paired`: each
-// 32 columns of the partials hold 16 even columns, then 16 odd ones (kn_rows_paired).
+// How each 32 columns of a "kn" product's partial sums are ordered: as the columns; 16 even
+// columns, then 16 odd ones (kn_rows_paired); or as VDPBF16PS's unpacked pairs (kn_rows_dot).
+enum class Order { kColumns, kEvenOdd, kUnpacked };
+
+template <typename T>
+constexpr Order partials_order() {
+  if constexpr (!std::is_same_v<T, uint16_t>) return Order::kColumns;
+#if defined(__AVX512BF16__)
+  return Order::kUnpacked;
+#else
+  return Order::kEvenOdd;
+#endif
+}
+
+// out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order, each 32 columns
+// put back in column order (`order`).
 inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t N, int64_t ldp,
-                       bool paired, float* out) {
-  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i second =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                       Order order, float* out) {
+  const bool even_odd = order == Order::kEvenOdd;
+  // Where output columns 0-15 and 16-31 are among the two vectors of 16 sums (16+: the second).
+  const __m512i first = even_odd
+      ? _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+      : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = even_odd
+      ? _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
+      : _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   auto sum = [&](int64_t m, int64_t c) {
     const float* p = partials + m * ldp + c;
     __m512 s = _mm512_loadu_ps(p);
@@ -319,7 +399,7 @@ inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t
   };
   for (int64_t m = 0; m < M; ++m) {
     float* row = out + m * N;
-    if (!paired) {
+    if (order == Order::kColumns) {
       for (int64_t c = 0; c < N; c += kLanes) {
         const __m512 s = sum(m, c);  // ldp is N padded to 32 columns: whole vectors to load
         if (c + kLanes <= N) _mm512_storeu_ps(row + c, s);
@@ -328,15 +408,16 @@ inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t
       continue;
     }
     for (int64_t c = 0; c < N; c += 2 * kLanes) {
-      const __m512 even = sum(m, c), odd = sum(m, c + kLanes);
-      const __m512 lo = _mm512_permutex2var_ps(even, first, odd);
-      const __m512 hi = _mm512_permutex2var_ps(even, second, odd);
+      const __m512 a = sum(m, c), b = sum(m, c + kLanes);
+      const __m512 low = _mm512_permutex2var_ps(a, first, b);  // columns c .. c + 15
+      const __m512 high = _mm512_permutex2var_ps(a, second, b);
       if (c + 2 * kLanes <= N) {
-        _mm512_storeu_ps(row + c, lo);
-        _mm512_storeu_ps(row + c + kLanes, hi);
+        _mm512_storeu_ps(row + c, low);
+        _mm512_storeu_ps(row + c + kLanes, high);
       } else {
-        _mm512_mask_storeu_ps(row + c, tail_mask(N - c), lo);
-        if (N - c > kLanes) _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), hi);
+        _mm512_mask_storeu_ps(row + c, tail_mask(N - c), low);
+        if (N - c > kLanes)
+          _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), high);
       }
     }
   }
@@ -398,7 +479,7 @@ void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
     chunks->drain();
     while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
   }
-  if (!nk) add_blocks(partials, units, o.M, o.N, op.ldp, std::is_same_v<T, uint16_t>, o.out);
+  if (!nk) add_blocks(partials, units, o.M, o.N, op.ldp, partials_order<T>(), o.out);
 }
 
 ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,

@@ -8,7 +8,8 @@ GB/s, and bfloat16 weights, half the bytes, at 12-14 GB/s at any row count: a bf
 step was barely faster than a float32 one.
 
 `dense.cc` streams each weight once and multiplies every row against it, with float32
-accumulation; bfloat16 is widened in registers. It is built on first use with the machine's C++
+accumulation; bfloat16 pairs are multiplied by VDPBF16PS where the CPU has it, else widened in
+registers. It is built on first use with the machine's C++
 compiler for the machine's own CPU (`-march=native`, a few seconds) into
 `~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the source, the compiler, the
 jaxlib headers and the CPU. It needs x86-64 with AVX-512 (F, BW); without it, or without a
@@ -60,13 +61,15 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _build() -> Path:
-    """Compiles dense.cc once per (source, compiler, headers, CPU) and returns the library."""
+def _build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compiles dense.cc once per (source, compiler, headers, CPU, flags) and returns the
+    library. `extra_flags` go after -march=native (tests build the paths of CPUs without
+    AVX512-BF16 with -mno-avx512bf16)."""
     include = jax.ffi.include_dir()
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    _cpu_flags(), *extra_flags]).encode()).hexdigest()[:16]
     library = Path(cache_root()) / "kernels" / f"libinfer_dense_{key}.so"
     if library.exists():
         return library
@@ -78,8 +81,8 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        subprocess.run([_compiler(), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-                        "-isystem", include, str(SOURCE), "-o", partial],
+        subprocess.run([_compiler(), "-O3", "-march=native", *extra_flags, "-std=c++17",
+                        "-shared", "-fPIC", "-isystem", include, str(SOURCE), "-o", partial],
                        capture_output=True, text=True, check=True)
         os.replace(partial, library)
     finally:
@@ -121,9 +124,10 @@ def _load() -> bool:
 
 # Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
 # development machine (`python -m experiments.dense_cpu --rows=1,2,3,4,5,6,7,8,12,16,32`). Past
-# 12 rows an [in, out] product is bound by its multiplies, and XLA's GEMMs do those as fast or
-# faster; the [N, K] vocabulary projection's dot products stayed ahead up to 32 rows.
-ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 13), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 13),
+# 12 rows (16 in bfloat16, multiplied in pairs) an [in, out] product is bound by its multiplies,
+# and XLA's GEMMs do those as fast or faster; the [N, K] vocabulary projection's dot products
+# stayed ahead up to 32 rows.
+ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 13), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 17),
         ("nk", jnp.dtype(jnp.float32)): range(1, 33), ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
 
 

@@ -46,8 +46,8 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
 
     On CPU, products of a few rows (decode and verify steps) are bound by reading the weight,
     which XLA:CPU does slowly outside a one-row float32 GEMV; the products `kernels_cpu.dense`
-    streams faster (its ROWS table: up to 12 rows with [in, out] weights, up to 32 with the
-    [N, K] vocabulary projection) go to that kernel, unless a mesh is active.
+    streams faster (its ROWS table: up to 12 rows with [in, out] weights, 16 in bfloat16, up
+    to 32 with the [N, K] vocabulary projection) go to that kernel, unless a mesh is active.
     Without the kernel (no AVX-512 or no compiler), a one-row product with 16-bit weights is
     padded to two rows: XLA:CPU sends a one-row bfloat16 dot down a path that first converts the
     whole weight to float32 (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took

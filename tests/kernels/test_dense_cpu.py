@@ -58,6 +58,38 @@ def test_random_shapes_match_the_exact_product(layout, dtype) -> None:
         _assert_close(multiply(x, w, layout), x, w, layout)
 
 
+def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
+    """This machine's build multiplies bfloat16 pairs by VDPBF16PS; built with -mno-avx512bf16,
+    the kernel widens bfloat16 in registers instead, as it does on AVX-512 CPUs without BF16.
+    Those paths too match the exact product, and a row's bits do not depend on the others."""
+    import ctypes
+
+    library = ctypes.cdll.LoadLibrary(str(dense_cpu._build(("-mno-avx512bf16",))))
+    target = "infer_dense_cpu_without_bf16"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.InferDenseCpu), platform="cpu")
+
+    def without_bf16(x, w, layout):
+        n = w.shape[0] if layout == "nk" else w.shape[1]
+        out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+        return jax.ffi.ffi_call(target, out)(x, w, nk=layout == "nk")
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for layout in dense_cpu.LAYOUTS:
+        for trial in range(10):
+            m = int(rng.integers(1, 21))
+            k = int(rng.choice([1, 15, 16, 17, 33, int(rng.integers(1, 700))]))
+            n = int(rng.choice([1, 9, 17, 33, int(rng.integers(1, 600))]))
+            if trial % 5 == 0:  # past the threading threshold
+                k, n = int(rng.integers(500, 700)), int(rng.integers(600, 1300))
+            x, w = _operands(rng, m, k, n, layout, jnp.bfloat16)
+            got = without_bf16(x, w, layout)
+            _assert_close(got, x, w, layout)
+            row = int(rng.integers(0, m))
+            alone = without_bf16(x[row:row + 1], w, layout)
+            assert np.array_equal(np.asarray(alone[0]), np.asarray(got[row])), (seed, layout)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", dense_cpu.LAYOUTS)
 def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout, dtype) -> None:
