@@ -48,6 +48,12 @@ inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }
 
+// The same for 32 16-bit lanes.
+inline __mmask32 tail_mask32(int64_t remaining) {
+  return remaining >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
+                                 : __mmask32((uint64_t(1) << remaining) - 1);
+}
+
 inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 
@@ -103,6 +109,24 @@ void kn_rows(const float* x, const float* w, float* out, int64_t K, int64_t N, i
   if (c < N) kn_vector<R, KB, true>(xv, row, out, ldp, N, c, tail_mask(N - c));
 }
 
+// The R rows' partial sums of 32 columns from c, as two vectors of 16 each, and back.
+template <int R>
+inline void load_sums(const float* out, int64_t ldp, int64_t c, __m512 (&a)[R], __m512 (&b)[R]) {
+  UNROLL for (int r = 0; r < R; ++r) {
+    a[r] = _mm512_loadu_ps(out + r * ldp + c);
+    b[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
+  }
+}
+
+template <int R>
+inline void store_sums(float* out, int64_t ldp, int64_t c, const __m512 (&a)[R],
+                       const __m512 (&b)[R]) {
+  UNROLL for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldp + c, a[r]);
+    _mm512_storeu_ps(out + r * ldp + c + kLanes, b[r]);
+  }
+}
+
 // bfloat16 "kn" rows on CPUs without AVX512-BF16 (kn_rows_dot below where it has it), 32
 // columns a step from one 64-byte load: each 32-bit lane holds a column
 // (low half) and the next one (high half), widened by a shift and by a mask, with no shuffle.
@@ -117,14 +141,9 @@ void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, in
   const uint16_t* row = w + k0 * N;
   const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int64_t c = 0; c < N; c += 2 * kLanes) {
-    const int64_t left = N - c;
-    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
-                                              : __mmask32((uint64_t(1) << left) - 1);
+    const __mmask32 mask = tail_mask32(N - c);
     __m512 even[R], odd[R];
-    UNROLL for (int r = 0; r < R; ++r) {
-      even[r] = _mm512_loadu_ps(out + r * ldp + c);
-      odd[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
-    }
+    load_sums<R>(out, ldp, c, even, odd);
     UNROLL for (int kk = 0; kk < KB; ++kk) {
       _mm_prefetch(reinterpret_cast<const char*>(row + (KB + kk) * N + c), _MM_HINT_T1);  // as kn_vector
       const __m512i pairs = _mm512_maskz_loadu_epi16(mask, row + kk * N + c);
@@ -135,10 +154,7 @@ void kn_rows_paired(const float* x, const uint16_t* w, float* out, int64_t K, in
         odd[r] = _mm512_fmadd_ps(xv[r][kk], o, odd[r]);
       }
     }
-    UNROLL for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * ldp + c, even[r]);
-      _mm512_storeu_ps(out + r * ldp + c + kLanes, odd[r]);
-    }
+    store_sums<R>(out, ldp, c, even, odd);
   }
 }
 
@@ -170,14 +186,9 @@ void kn_rows_dot(const uint16_t* x, const uint16_t* w, float* out, int64_t K, in
   const uint16_t* row = w + k0 * N;
   const bool whole = k0 + 2 * KP <= last;
   for (int64_t c = 0; c < N; c += 2 * kLanes) {
-    const int64_t left = N - c;
-    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
-                                              : __mmask32((uint64_t(1) << left) - 1);
+    const __mmask32 mask = tail_mask32(N - c);
     __m512 lo[R], hi[R];
-    UNROLL for (int r = 0; r < R; ++r) {
-      lo[r] = _mm512_loadu_ps(out + r * ldp + c);
-      hi[r] = _mm512_loadu_ps(out + r * ldp + c + kLanes);
-    }
+    load_sums<R>(out, ldp, c, lo, hi);
     UNROLL for (int p = 0; p < KP; ++p) {
       // The next pass's rows, into L2, as kn_vector.
       _mm_prefetch(reinterpret_cast<const char*>(row + (2 * KP + 2 * p) * N + c), _MM_HINT_T1);
@@ -193,10 +204,7 @@ void kn_rows_dot(const uint16_t* x, const uint16_t* w, float* out, int64_t K, in
         hi[r] = _mm512_dpbf16_ps(hi[r], xv[r][p], wh);
       }
     }
-    UNROLL for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * ldp + c, lo[r]);
-      _mm512_storeu_ps(out + r * ldp + c + kLanes, hi[r]);
-    }
+    store_sums<R>(out, ldp, c, lo, hi);
   }
 }
 #endif
@@ -257,9 +265,7 @@ void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t K, i
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2 * kLanes) {
-    const int64_t left = K - k;
-    const __mmask32 mask = left >= 2 * kLanes ? __mmask32(0xFFFFFFFF)
-                                              : __mmask32((uint64_t(1) << left) - 1);
+    const __mmask32 mask = tail_mask32(K - k);
     __m512bh wv[NB];
     UNROLL for (int j = 0; j < NB; ++j)  // as in nk_tile
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + 2 * NB) * K + k), _MM_HINT_T1);
