@@ -5,7 +5,7 @@ the weights, and XLA:CPU reads them slowly outside one case. On the development 
 EPYC, 2 cores, `python -m experiments.dense_cpu`, figures in the README), through SmolLM2's MLP
 weights, XLA streams one float32 row at 23-29 GB/s (its GEMV) but 2-8 float32 rows at 13-18
 GB/s, and bfloat16 weights, half the bytes, at 10-14 GB/s at any row count: a bfloat16 decode
-step was barely faster than a float32 one. The kernel reads 1-5 rows at 25-37 GB/s in either
+step was barely faster than a float32 one. The kernel reads 1-5 rows at 23-46 GB/s in either
 dtype.
 
 `dense.cc` streams each weight once and multiplies every row against it, with float32
