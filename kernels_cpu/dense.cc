@@ -209,7 +209,6 @@ void kn_rows_dot(const uint16_t* x, const uint16_t* w, float* out, int64_t K, in
 }
 #endif
 
-
 template <int R, typename T>
 void kn_block(const float* x, const uint16_t* x16, const T* w, float* out, int64_t K, int64_t N,
               int64_t ldp, int64_t k0, int64_t k1) {
@@ -220,10 +219,10 @@ void kn_block(const float* x, const uint16_t* x16, const T* w, float* out, int64
 #if defined(__AVX512BF16__)
     for (; k + KB <= k1; k += KB) kn_rows_dot<R, KB / 2>(x16, w, out, K, N, ldp, k, k1);
     for (; k < k1; k += 2) kn_rows_dot<R, 1>(x16, w, out, K, N, ldp, k, k1);
-    return;
-#endif
+#else
     for (; k + KB <= k1; k += KB) kn_rows_paired<R, KB>(x, w, out, K, N, ldp, k);
     for (; k < k1; ++k) kn_rows_paired<R, 1>(x, w, out, K, N, ldp, k);
+#endif
   } else {
     for (; k + KB <= k1; k += KB) kn_rows<R, KB>(x, w, out, K, N, ldp, k);
     for (; k < k1; ++k) kn_rows<R, 1>(x, w, out, K, N, ldp, k);
@@ -281,8 +280,8 @@ void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* out, int64_t K, i
 }
 #endif
 
-// The rows as float32 (`x`) and, for bfloat16 products, as they came (`x16`), the weight, the
-// output and their sizes.
+// The rows as float32 (`x`; null for bfloat16 products where the CPU multiplies bfloat16 pairs)
+// and, for bfloat16 products, as they came (`x16`), the weight, the output and their sizes.
 template <typename T>
 struct Operands {
   const float* x;
@@ -304,7 +303,7 @@ constexpr int nk_rows_per_tile() {
 // block's partial sums for every column) or rows of N ("nk", whole outputs).
 template <int R, typename T>
 void tile(const Operands<T>& o, bool nk, int64_t m, int64_t n, int64_t count) {
-  const float* x = o.x + m * o.K;
+  const float* x = o.x ? o.x + m * o.K : nullptr;  // null: bfloat16 rows read as they came
   if (!nk) {
     kn_block<R, T>(x, o.x16 ? o.x16 + m * o.K : nullptr, o.w, o.out + m * o.ldp, o.K, o.N, o.ldp,
                    n, n + count);
@@ -514,16 +513,20 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                nk);
       return ffi::Error::Success();
     case ffi::DataType::BF16: {
-      // The rows are widened once here; the weight, which is the traffic, stays 16-bit.
+      // Where the CPU multiplies bfloat16 pairs, both layouts read the rows as they came;
+      // elsewhere they are widened once here. The weight, which is the traffic, stays 16-bit.
       const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
-      std::vector<float> xf(M * K);
+      std::vector<float> xf;
+#if !defined(__AVX512BF16__)
+      xf.resize(M * K);
       for (int64_t i = 0; i < M * K; ++i) {
         const uint32_t bits = uint32_t(xb[i]) << 16;
         std::memcpy(&xf[i], &bits, sizeof(float));
       }
+#endif
       multiply(pool,
-               Operands<uint16_t>{xf.data(), xb, static_cast<const uint16_t*>(w.untyped_data()),
-                                  o, M, K, N},
+               Operands<uint16_t>{xf.empty() ? nullptr : xf.data(), xb,
+                                  static_cast<const uint16_t*>(w.untyped_data()), o, M, K, N},
                nk);
       return ffi::Error::Success();
     }
