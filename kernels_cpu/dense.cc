@@ -4,7 +4,10 @@
 // weights. XLA:CPU reads them at near the machine's streaming rate only in its one-row float32
 // GEMV; it hands 2-8 rows, and bfloat16 weights at any row count, to GEMM paths that stream a
 // half to a third as fast (`python -m experiments.dense_cpu`; figures in the README). This
-// kernel streams each weight once and multiplies every row against it as it passes.
+// kernel streams each weight once and multiplies every row against it as it passes. From 9 rows
+// (batched decode, verify steps) an [in, out] product is bound by its multiplies instead, and
+// the kernel keeps register tiles of 12 rows x 32 columns over blocks of weight rows, the shape
+// of a GEMM's inner kernel (`kn_strips`).
 //
 //   out[m, n] = sum_k x[m, k] * w[k, n]   (layout "kn": the model's projections, [in, out])
 //   out[m, n] = sum_k x[m, k] * w[n, k]   (layout "nk": the tied vocabulary projection)
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "kernels_cpu/dense.cc needs AVX-512 F and BW; dense.py falls back to XLA without it"
@@ -357,19 +361,6 @@ void all_rows(const Operands<T>& o, bool nk, int64_t n, int64_t count) {
 constexpr int64_t kKnBlockRows = 96;
 constexpr int64_t kNkUnit = 24;
 
-template <typename T>
-void run_units(const Operands<T>& o, float* partials, bool nk, int64_t first, int64_t last) {
-  for (int64_t u = first; u < last; ++u) {
-    if (nk) {
-      all_rows(o, true, u * kNkUnit, std::min(kNkUnit, o.N - u * kNkUnit));
-    } else {
-      Operands<T> block = o;
-      block.out = partials + u * o.M * o.ldp;
-      all_rows(block, false, u * kKnBlockRows, std::min(kKnBlockRows, o.K - u * kKnBlockRows));
-    }
-  }
-}
-
 // How each 32 columns of a "kn" product's partial sums are ordered: as the columns; 16 even
 // columns, then 16 odd ones (kn_rows_paired); or as VDPBF16PS's unpacked pairs (kn_rows_dot).
 enum class Order { kColumns, kEvenOdd, kUnpacked };
@@ -384,18 +375,24 @@ constexpr Order partials_order() {
 #endif
 }
 
+// Where output columns 0-15 and 16-31 are among a strip's two vectors of sums in `order` (16+:
+// the second vector).
+inline void column_order(Order order, __m512i& first, __m512i& second) {
+  if (order == Order::kEvenOdd) {
+    first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  } else {  // kUnpacked; kColumns needs no permutation
+    first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+}
+
 // out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order, each 32 columns
 // put back in column order (`order`).
 inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t N, int64_t ldp,
                        Order order, float* out) {
-  const bool even_odd = order == Order::kEvenOdd;
-  // Where output columns 0-15 and 16-31 are among the two vectors of 16 sums (16+: the second).
-  const __m512i first = even_odd
-      ? _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
-      : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = even_odd
-      ? _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)
-      : _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512i first, second;
+  column_order(order, first, second);
   auto sum = [&](int64_t m, int64_t c) {
     const float* p = partials + m * ldp + c;
     __m512 s = _mm512_loadu_ps(p);
@@ -428,6 +425,197 @@ inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t
   }
 }
 
+// "kn" products of many rows (kTiledRows or more) are bound by their multiplies, not by reading
+// the weight, and there the passes above lose to their own traffic: every pass loads and stores
+// all rows' partial sums for 8 weight rows, every 8 rows re-read the block, and the blocks'
+// partial sums are added afterwards on one thread. Here each thread takes 32-column strips of
+// the output; a strip's sums are computed a block of weight rows at a time for up to
+// kTiledTileRows rows at once, in registers, then added to the strip's running total in block
+// order. Each sum takes the same terms in the same order as kn_block's partial sums (the same
+// pairs in bfloat16) and the blocks are added in the same order as add_blocks, so a row's bits
+// are the same whichever path its row count takes.
+// From 9 rows, one more than the passes keep in registers (5-8 rows: the same speed either way).
+constexpr int kTiledRows = 9;
+constexpr int kTiledTileRows = 12;  // 24 accumulators of 16 lanes, two weight vectors, a broadcast
+
+// Stores 32 sums (two vectors in partials_order<T>()) as output columns [c, min(c + 32, N)).
+template <typename T>
+inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) {
+  if constexpr (partials_order<T>() != Order::kColumns) {
+    __m512i first, second;
+    column_order(partials_order<T>(), first, second);
+    const __m512 low = _mm512_permutex2var_ps(a, first, b);
+    b = _mm512_permutex2var_ps(a, second, b);
+    a = low;
+  }
+  if (c + 2 * kLanes <= N) {
+    _mm512_storeu_ps(row + c, a);
+    _mm512_storeu_ps(row + c + kLanes, b);
+  } else {
+    _mm512_mask_storeu_ps(row + c, tail_mask(N - c), a);
+    if (N - c > kLanes) _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), b);
+  }
+}
+
+// The next block's weight, fetched into L2 a line at a time in address order while this block
+// computes. Loads down a 32-column strip touch one line in each of 96 rows, a pattern memory
+// serves slowly (one thread read 60 MLP weights at 4.6 GB/s, 150 GFLOP/s at 32 rows, against
+// 200 with the weight in cache); these requests arrive row by row, as a stream's do. Interleaved
+// in one process, 32-row products ran 1.18x faster with the walk than without.
+struct LineWalk {
+  const char* row = nullptr;  // the row segment being fetched
+  int64_t stride = 0;         // bytes from one weight row to the next
+  int64_t lines = 0;          // lines in each row's segment
+  int64_t line = 0;
+  int64_t left = 0;           // lines still to fetch
+
+  void next() {
+    if (left <= 0) return;
+    _mm_prefetch(row + 64 * line, _MM_HINT_T1);
+    --left;
+    if (++line == lines) {
+      line = 0;
+      row += stride;
+    }
+  }
+};
+
+// Rows [0, R) of the strip at column c, over the weight rows [k0, k1) of one block: `total`
+// ([R, 32], the strip's sums so far in partials_order) gets this block's sums added (`first`:
+// set to them); after the `last` block the totals go to `out` ([R, N]) in column order.
+template <int R, bool kMasked, typename T>
+inline void kn_strip(const float* x, const uint16_t* x16, const T* w, float* total,
+                     int64_t total_stride, float* out, int64_t K, int64_t N, int64_t k0,
+                     int64_t k1, int64_t c, LineWalk* walk, bool first, bool last) {
+  __m512 a[R], b[R];  // the partial sums of columns [c, c + 32), in the block's Order
+  UNROLL for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  // Two lines of the next block a step: as many steps as the block has lines for its strips.
+  // A copy in registers: updated through the pointer, each step would wait on the last's store.
+  LineWalk ahead = walk ? *walk : LineWalk{};
+  auto fetch_ahead = [&] {
+    ahead.next();
+    ahead.next();
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    const __mmask16 m0 = kMasked ? tail_mask(N - c) : __mmask16(0xFFFF);
+    const __mmask16 m1 = kMasked ? (N - c > kLanes ? tail_mask(N - c - kLanes) : 0) : m0;
+    for (int64_t k = k0; k < k1; ++k) {
+      fetch_ahead();
+      const __m512 w0 = kMasked ? load(w + k * N + c, m0) : load(w + k * N + c);
+      const __m512 w1 = kMasked ? load(w + k * N + c + kLanes, m1) : load(w + k * N + c + kLanes);
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+        a[r] = _mm512_fmadd_ps(xv, w0, a[r]);
+        b[r] = _mm512_fmadd_ps(xv, w1, b[r]);
+      }
+    }
+  } else {
+    const __mmask32 mask = kMasked ? tail_mask32(N - c) : __mmask32(0xFFFFFFFFu);
+    auto load_row = [&](int64_t k) {
+      return kMasked ? _mm512_maskz_loadu_epi16(mask, w + k * N + c)
+                     : _mm512_loadu_si512(w + k * N + c);
+    };
+#if defined(__AVX512BF16__)
+    // Pairs (k, k + 1) from k0, as kn_rows_dot; an odd last row is paired with zeros.
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      fetch_ahead();
+      const __m512i lo = load_row(k), hi = load_row(k + 1);
+      const __m512bh wl = (__m512bh)_mm512_unpacklo_epi16(lo, hi);
+      const __m512bh wh = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
+      UNROLL for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, x16 + r * K + k, sizeof(pair));  // x[r][k] low, x[r][k + 1] high
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(pair));
+        a[r] = _mm512_dpbf16_ps(a[r], xv, wl);
+        b[r] = _mm512_dpbf16_ps(b[r], xv, wh);
+      }
+    }
+    if (k < k1) {
+      const __m512i lo = load_row(k), zero = _mm512_setzero_si512();
+      const __m512bh wl = (__m512bh)_mm512_unpacklo_epi16(lo, zero);
+      const __m512bh wh = (__m512bh)_mm512_unpackhi_epi16(lo, zero);
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x16[r * K + k]));
+        a[r] = _mm512_dpbf16_ps(a[r], xv, wl);
+        b[r] = _mm512_dpbf16_ps(b[r], xv, wh);
+      }
+    }
+#else
+    // Even and odd columns widened by a shift and a mask, as kn_rows_paired.
+    const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+    for (int64_t k = k0; k < k1; ++k) {
+      fetch_ahead();
+      const __m512i pairs = load_row(k);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 od = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+        a[r] = _mm512_fmadd_ps(xv, e, a[r]);
+        b[r] = _mm512_fmadd_ps(xv, od, b[r]);
+      }
+    }
+#endif
+  }
+  if (walk) *walk = ahead;
+  UNROLL for (int r = 0; r < R; ++r) {
+    if (!first) {
+      a[r] = _mm512_add_ps(_mm512_loadu_ps(total + r * total_stride), a[r]);
+      b[r] = _mm512_add_ps(_mm512_loadu_ps(total + r * total_stride + kLanes), b[r]);
+    }
+    if (last) {
+      store_columns<T>(out + r * N, c, N, a[r], b[r]);
+    } else {
+      _mm512_storeu_ps(total + r * total_stride, a[r]);
+      _mm512_storeu_ps(total + r * total_stride + kLanes, b[r]);
+    }
+  }
+}
+
+// The same for `rows` <= R rows.
+template <int R = kTiledTileRows, typename T>
+void kn_strip_rows(const float* x, const uint16_t* x16, const T* w, float* total,
+                   int64_t total_stride, float* out, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                   int64_t c, int64_t rows, LineWalk* walk, bool first, bool last) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      kn_strip_rows<R - 1, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, rows, walk,
+                              first, last);
+      return;
+    }
+  }
+  if (c + 2 * kLanes <= N)
+    kn_strip<R, false, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, walk, first,
+                          last);
+  else
+    kn_strip<R, true, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, walk, first,
+                         last);
+}
+
+// Output columns [32 s0, 32 s1) of every row, over all of K, a block of weight rows at a time.
+template <typename T>
+void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
+  const int64_t c0 = s0 * 2 * kLanes, c1 = std::min(o.N, s1 * 2 * kLanes);
+  const int64_t width = (s1 - s0) * 2 * kLanes;
+  thread_local std::vector<float> total;  // the strips' running sums, [M, width]
+  if (int64_t(total.size()) < o.M * width) total.resize(o.M * width);
+  const int64_t lines = ((c1 - c0) * int64_t(sizeof(T)) + 63) / 64;
+  for (int64_t k0 = 0; k0 < o.K; k0 += kKnBlockRows) {
+    const int64_t k1 = std::min(o.K, k0 + kKnBlockRows);
+    LineWalk walk{reinterpret_cast<const char*>(o.w + k1 * o.N + c0), o.N * int64_t(sizeof(T)),
+                  lines, 0, (std::min(o.K, k1 + kKnBlockRows) - k1) * lines};
+    for (int64_t c = c0; c < c1; c += 2 * kLanes) {
+      for (int64_t m = 0; m < o.M; m += kTiledTileRows) {
+        kn_strip_rows<kTiledTileRows, T>(
+            o.x ? o.x + m * o.K : nullptr, o.x16 ? o.x16 + m * o.K : nullptr, o.w,
+            total.data() + m * width + (c - c0), width, o.out + m * o.N, o.K, o.N, k0, k1, c,
+            std::min<int64_t>(kTiledTileRows, o.M - m), m == 0 ? &walk : nullptr, k0 == 0,
+            k1 == o.K);
+      }
+    }
+  }
+}
+
 // Weights smaller than this are multiplied on the calling thread: handing half of a few hundred
 // kilobytes to another thread costs about what it saves.
 constexpr int64_t kParallelBytes = 512 * 1024;
@@ -453,15 +641,41 @@ struct Chunks {
   }
 };
 
+// How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
+// kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
+// kTiledRows rows or more, a 32-column strip of its output.
+enum class Split { kNkRows, kKnBlocks, kKnStrips };
+
+template <typename T>
+void run_units(const Operands<T>& o, float* partials, Split split, int64_t first, int64_t last) {
+  if (split == Split::kKnStrips) {
+    kn_strips(o, first, last);
+    return;
+  }
+  for (int64_t u = first; u < last; ++u) {
+    if (split == Split::kNkRows) {
+      all_rows(o, true, u * kNkUnit, std::min(kNkUnit, o.N - u * kNkUnit));
+    } else {
+      Operands<T> block = o;
+      block.out = partials + u * o.M * o.ldp;
+      all_rows(block, false, u * kKnBlockRows, std::min(kKnBlockRows, o.K - u * kKnBlockRows));
+    }
+  }
+}
+
 template <typename T>
 void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
-  const int64_t units = nk ? (o.N + kNkUnit - 1) / kNkUnit : (o.K + kKnBlockRows - 1) / kKnBlockRows;
+  const Split split = nk ? Split::kNkRows : (o.M >= kTiledRows ? Split::kKnStrips
+                                                               : Split::kKnBlocks);
+  const int64_t units = split == Split::kNkRows ? (o.N + kNkUnit - 1) / kNkUnit
+                        : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
+                                                    : (o.K + kKnBlockRows - 1) / kKnBlockRows;
   // The calling thread's scratch for "kn" partial sums, kept between calls (pool threads write
   // into it only while this call waits for them).
   thread_local std::vector<float> scratch;
   float* partials = nullptr;
   Operands<T> op = o;
-  if (!nk) {
+  if (split == Split::kKnBlocks) {
     op.ldp = (o.N + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
     if (int64_t(scratch.size()) < units * o.M * op.ldp) scratch.resize(units * o.M * op.ldp);
     partials = scratch.data();
@@ -469,22 +683,24 @@ void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
   const int64_t helpers = std::max<int64_t>(pool.num_threads() - 1, 0);
   const int64_t weight_bytes = o.K * o.N * int64_t(sizeof(T));
   if (helpers == 0 || weight_bytes < kParallelBytes || units < 2) {
-    run_units(op, partials, nk, 0, units);
+    run_units(op, partials, split, 0, units);
   } else {
     auto chunks = std::make_shared<Chunks>();
-    // "nk": four chunks a thread even out threads that start late. "kn" blocks are chunks.
-    chunks->count = nk ? std::min<int64_t>(units, 4 * (helpers + 1)) : units;
+    // Rows of "nk" and strips: four chunks a thread even out threads that start late. "kn"
+    // blocks are chunks.
+    chunks->count = split == Split::kKnBlocks ? units : std::min<int64_t>(units, 4 * (helpers + 1));
     const int64_t per_chunk = (units + chunks->count - 1) / chunks->count;
     chunks->count = (units + per_chunk - 1) / per_chunk;
     chunks->run = [=](int64_t c) {
-      run_units(op, partials, nk, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+      run_units(op, partials, split, c * per_chunk, std::min(units, (c + 1) * per_chunk));
     };
     for (int64_t t = 0; t < std::min(helpers, chunks->count - 1); ++t)
       pool.Schedule([chunks] { chunks->drain(); });
     chunks->drain();
     while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
   }
-  if (!nk) add_blocks(partials, units, o.M, o.N, op.ldp, partials_order<T>(), o.out);
+  if (split == Split::kKnBlocks)
+    add_blocks(partials, units, o.M, o.N, op.ldp, partials_order<T>(), o.out);
 }
 
 ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,

@@ -124,11 +124,11 @@ def _load() -> bool:
 
 
 # Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
-# development machine (`python -m experiments.dense_cpu --rows=1,2,3,4,5,6,7,8,12,16,32`). Past
-# 12 rows (16 in bfloat16, multiplied in pairs) an [in, out] product is bound by its multiplies,
-# and XLA's GEMMs do those as fast or faster; the [N, K] vocabulary projection's dot products
-# stayed ahead up to 32 rows.
-ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 13), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 17),
+# development machine (`python -m experiments.dense_cpu --rows=1,2,4,8,12,16,32,64,128,256`).
+# [in, out] products of 9 rows or more run on the kernel's register tiles, ahead of XLA's GEMMs
+# up to 128 rows and even at 256 (a prefill chunk, left to XLA); the [N, K] vocabulary
+# projection's dot products stayed ahead up to 32 rows.
+ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 129), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 129),
         ("nk", jnp.dtype(jnp.float32)): range(1, 33), ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
 
 

@@ -1,6 +1,6 @@
 """The CPU dense kernel (kernels_cpu/dense.cc) against jnp's product: random shapes with every
-tail (K and N off the 16- and 32-lane tiles, 1 to 20 rows, weights large enough to be split
-between threads), both layouts and both dtypes; a row's bits independent of the other rows and
+tail (K and N off the 16- and 32-lane tiles, 1 to 40 rows: the few-row passes and the 12-row
+register tiles with their tails, weights large enough to be split between threads), both layouts and both dtypes; a row's bits independent of the other rows and
 of the thread split; gradients; errors; and `dense` taking it exactly where ROWS says.
 
 The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
@@ -49,7 +49,7 @@ def _assert_close(got: jax.Array, x: jax.Array, w: jax.Array, layout: str) -> No
 def test_random_shapes_match_the_exact_product(layout, dtype) -> None:
     rng = np.random.default_rng(abs(hash((layout, str(dtype)))) % 2**32)
     for trial in range(25):
-        m = int(rng.integers(1, 21))
+        m = int(rng.integers(1, 41))
         k = int(rng.choice([1, 2, 15, 16, 17, 31, 32, 33, int(rng.integers(1, 700))]))
         n = int(rng.choice([1, 7, 8, 9, 15, 16, 17, 33, int(rng.integers(1, 600))]))
         if trial % 5 == 0:  # past the threading threshold (512 KiB of weight)
@@ -77,7 +77,7 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
     rng = np.random.default_rng(seed)
     for layout in dense_cpu.LAYOUTS:
         for trial in range(10):
-            m = int(rng.integers(1, 21))
+            m = int(rng.integers(1, 41))
             k = int(rng.choice([1, 15, 16, 17, 33, int(rng.integers(1, 700))]))
             n = int(rng.choice([1, 9, 17, 33, int(rng.integers(1, 600))]))
             if trial % 5 == 0:  # past the threading threshold
@@ -95,9 +95,10 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
 def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout, dtype) -> None:
     """Row i of an M-row call is the one-row call's result bit for bit, and so is any column
     slice of it computed on its own (a different N, so a different split between threads and
-    tiles). A NaN in one row stays in that row."""
+    tiles). From 9 rows an [in, out] product takes the kernel's register tiles, so this also
+    holds one path to the other. A NaN in one row stays in that row."""
     rng = np.random.default_rng(7)
-    for m, k, n in [(9, 577, 1100), (4, 64, 50), (13, 300, 700)]:
+    for m, k, n in [(9, 577, 1100), (4, 64, 50), (13, 300, 700), (30, 1537, 611)]:
         x, w = _operands(rng, m, k, n, layout, dtype)
         x = x.at[2, 5].set(jnp.nan)
         whole = np.asarray(multiply(x, w, layout))
