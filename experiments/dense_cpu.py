@@ -9,9 +9,9 @@ calls), so that weights stream from memory as in a decode step rather than sit i
   [1536, 576], with a tanh between and a residual add (the model's projections, stored
   [in, out]);
 - "nk": the tied vocabulary projection, [M, 576] x [49152, 576]^T.
-XLA's side is what `infer.model.llama.dense` does without the kernel: `jnp.einsum` with float32
-accumulation, one-row 16-bit products padded to two rows, float32 [N, K] products of 2-8 rows as
-a multiply-and-reduce. Prints ms per call and the weight
+XLA's side is what `infer.model.llama.dense` does without the kernel (`xla_dense`: `jnp.einsum`
+with float32 accumulation, one-row 16-bit products padded to two rows, float32 [N, K] products
+of 2-8 rows as a multiply-and-reduce). Prints ms per call and the weight
 bytes read per second; writes one JSON line per point to results/dense_cpu.jsonl.
 `kernels_cpu.dense.ROWS`, the row counts `dense` hands the kernel, comes from this table.
 """
@@ -43,20 +43,14 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
     import numpy as np
 
     from experiments.common import ResultLog, markdown_table
-    from infer.model.llama import _few_rows_product, _reduces_few_rows
+    from infer.model.llama import xla_dense
     from kernels_cpu import dense as dense_cpu
 
     if not dense_cpu.available():
         raise SystemExit("the CPU dense kernel is not available on this machine (see above)")
 
     def xla(x, w, layout):
-        if layout == "nk" and _reduces_few_rows(x, w, "me,ne->mn"):
-            return _few_rows_product(x, w)
-        padded = x.shape[0] == 1 and w.dtype.itemsize < 4
-        if padded:
-            x = jnp.concatenate([x, jnp.zeros_like(x)])
-        return dense_cpu.reference(x, w, layout)[:1] if padded else dense_cpu.reference(x, w,
-                                                                                         layout)
+        return xla_dense(x, w, "mk,nk->mn" if layout == "nk" else "mk,kn->mn")
 
     def kernel(x, w, layout):
         return dense_cpu.multiply(x, w, layout)

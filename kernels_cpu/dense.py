@@ -112,15 +112,26 @@ def _load() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
+        _register()
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         print(f"infer: the CPU dense kernel is off, XLA's product is used: "
               f"{detail.strip().splitlines()[-1] if detail.strip() else error}", file=sys.stderr)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.InferDenseCpu),
-                                platform="cpu")
     return True
+
+
+@functools.cache
+def _register(extra_flags: tuple[str, ...] = ()) -> str:
+    """Builds the kernel (with `extra_flags`, see `_build`), loads it and registers it with
+    XLA:CPU; returns its target name (TARGET for the default build)."""
+    library = ctypes.cdll.LoadLibrary(str(_build(extra_flags)))
+    target = TARGET
+    if extra_flags:
+        target += "_" + hashlib.sha256("\0".join(extra_flags).encode()).hexdigest()[:8]
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.InferDenseCpu),
+                                platform="cpu")
+    return target
 
 
 # Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
@@ -159,12 +170,13 @@ def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
 
 
-def _call(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+def _call(x: jax.Array, w: jax.Array, layout: str, target: str = TARGET) -> jax.Array:
+    """The kernel's custom call; `target` names another build from `_register`."""
     if not available():
         raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
     n = w.shape[0] if layout == "nk" else w.shape[1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, nk=layout == "nk")
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, nk=layout == "nk")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -45,15 +45,11 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     """einsum of activations with a weight, accumulating in float32 whatever the weight dtype.
 
     On CPU, products of a few rows (decode and verify steps) are bound by reading the weight,
-    which XLA:CPU does slowly outside a one-row float32 GEMV; the products `kernels_cpu.dense`
-    streams faster (its ROWS table: up to 12 rows with [in, out] weights, 16 in bfloat16, up
-    to 32 with the [N, K] vocabulary projection) go to that kernel, unless a mesh is active.
-    Without the kernel (no AVX-512 or no compiler), a one-row product with 16-bit weights is
-    padded to two rows: XLA:CPU sends a one-row bfloat16 dot down a path that first converts the
-    whole weight to float32 (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took
-    31 ms, against 2.9 ms for two rows), and a float32 product of a few rows with a [N, K]
-    weight (a verify step's k + 1 positions through the vocabulary projection) is a
-    multiply-and-reduce (`_reduces_few_rows`). Accelerators are not affected."""
+    which XLA:CPU does slowly outside a one-row float32 GEMV, and batched steps by multiplies
+    its GEMMs do slower than a register-tiled kernel; the products `kernels_cpu.dense` runs
+    faster (its ROWS table: up to 128 rows with [in, out] weights, up to 32 with the [N, K]
+    vocabulary projection) go to that kernel, unless a mesh is active. The rest is `xla_dense`.
+    Accelerators are not affected."""
     x = x.astype(w.dtype)
     num_rows = math.prod(x.shape[:-1])
     layout = _weight_layout(equation)
@@ -61,6 +57,18 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
             and dense_cpu.takes(num_rows, w, layout)):
         out = dense_cpu.multiply(x.reshape(num_rows, x.shape[-1]), w, layout)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+    return xla_dense(x, w, equation)
+
+
+def xla_dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
+    """`dense` by XLA alone, as it runs without the CPU kernel (no AVX-512 or no compiler) or
+    past its ROWS. On CPU a one-row product with 16-bit weights is padded to two rows: XLA:CPU
+    sends a one-row bfloat16 dot down a path that first converts the whole weight to float32
+    (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took 31 ms, against 2.9 ms for
+    two rows); and a float32 product of a few rows with a [N, K] weight (a verify step's k + 1
+    positions through the vocabulary projection) is a multiply-and-reduce
+    (`_reduces_few_rows`)."""
+    x = x.astype(w.dtype)
     if _reduces_few_rows(x, w, equation):
         return _few_rows_product(x, w)
     if not _pads_single_rows(x, w):

@@ -62,16 +62,10 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
     """This machine's build multiplies bfloat16 pairs by VDPBF16PS; built with -mno-avx512bf16,
     the kernel widens bfloat16 in registers instead, as it does on AVX-512 CPUs without BF16.
     Those paths too match the exact product, and a row's bits do not depend on the others."""
-    import ctypes
-
-    library = ctypes.cdll.LoadLibrary(str(dense_cpu._build(("-mno-avx512bf16",))))
-    target = "infer_dense_cpu_without_bf16"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.InferDenseCpu), platform="cpu")
+    target = dense_cpu._register(("-mno-avx512bf16",))
 
     def without_bf16(x, w, layout):
-        n = w.shape[0] if layout == "nk" else w.shape[1]
-        out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-        return jax.ffi.ffi_call(target, out)(x, w, nk=layout == "nk")
+        return dense_cpu._call(x, w, layout, target)
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
