@@ -23,14 +23,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 
@@ -620,27 +618,6 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
 // kilobytes to another thread costs about what it saves.
 constexpr int64_t kParallelBytes = 512 * 1024;
 
-// Splits the units into chunks that the calling thread and XLA's pool threads claim from a
-// shared counter. The caller claims chunks too and waits only for chunks another thread has
-// claimed and is running, so it never waits on a task still queued behind busy pool threads
-// (two such products running at once on a two-thread pool would otherwise each wait for the
-// other's queued half). A task that starts after every chunk is claimed returns at once; the
-// shared state outlives the call for such late tasks.
-struct Chunks {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t count = 0;
-  std::function<void(int64_t)> run;
-
-  void drain() {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < count;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      run(c);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
 // kTiledRows rows or more, a 32-column strip of its output.
@@ -680,25 +657,15 @@ void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
     if (int64_t(scratch.size()) < units * o.M * op.ldp) scratch.resize(units * o.M * op.ldp);
     partials = scratch.data();
   }
-  const int64_t helpers = std::max<int64_t>(pool.num_threads() - 1, 0);
   const int64_t weight_bytes = o.K * o.N * int64_t(sizeof(T));
-  if (helpers == 0 || weight_bytes < kParallelBytes || units < 2) {
-    run_units(op, partials, split, 0, units);
-  } else {
-    auto chunks = std::make_shared<Chunks>();
-    // Rows of "nk" and strips: four chunks a thread even out threads that start late. "kn"
-    // blocks are chunks.
-    chunks->count = split == Split::kKnBlocks ? units : std::min<int64_t>(units, 4 * (helpers + 1));
-    const int64_t per_chunk = (units + chunks->count - 1) / chunks->count;
-    chunks->count = (units + per_chunk - 1) / per_chunk;
-    chunks->run = [=](int64_t c) {
-      run_units(op, partials, split, c * per_chunk, std::min(units, (c + 1) * per_chunk));
-    };
-    for (int64_t t = 0; t < std::min(helpers, chunks->count - 1); ++t)
-      pool.Schedule([chunks] { chunks->drain(); });
-    chunks->drain();
-    while (chunks->done.load(std::memory_order_acquire) < chunks->count) _mm_pause();
-  }
+  // Rows of "nk" and strips: four chunks a thread even out threads that start late. "kn"
+  // blocks are chunks. Small weights stay on the calling thread.
+  const int64_t threads = pool.num_threads();
+  const int64_t chunks = weight_bytes < kParallelBytes ? 1
+                         : split == Split::kKnBlocks ? units : 4 * threads;
+  infer_cpu::run_in_chunks(pool, units, chunks, [&](int64_t first, int64_t last) {
+    run_units(op, partials, split, first, last);
+  });
   if (split == Split::kKnBlocks)
     add_blocks(partials, units, o.M, o.N, op.ldp, partials_order<T>(), o.out);
 }

@@ -10,11 +10,8 @@ dtype.
 
 `dense.cc` streams each weight once and multiplies every row against it, with float32
 accumulation; bfloat16 pairs are multiplied by VDPBF16PS where the CPU has it, else widened in
-registers. It is built on first use with the machine's C++
-compiler for the machine's own CPU (`-march=native`, a few seconds) into
-`~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the source, the compiler, the
-jaxlib headers and the CPU. It needs x86-64 with AVX-512 (F, BW); without it, or without a
-compiler, `available()` is False and `infer.model.llama.dense` keeps XLA's product.
+registers. It is built on first use (`kernels_cpu.build`); without AVX-512 or a compiler,
+`available()` is False and `infer.model.llama.dense` keeps XLA's product.
 `INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it.
 
 Each output element is summed in an order fixed by K and the layout alone, so a row's result
@@ -26,21 +23,13 @@ does not depend on which other rows share the call (batch invariance).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from infer.platform import cache_root
+from kernels_cpu.build import Kernel
 
 TARGET = "infer_dense_cpu"
 SOURCE = Path(__file__).with_name("dense.cc")
@@ -48,90 +37,13 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 LAYOUTS = ("kn", "nk")
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
-def _build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compiles dense.cc once per (source, compiler, headers, CPU, flags) and returns the
-    library. `extra_flags` go after -march=native (tests build the paths of CPUs without
-    AVX512-BF16 with -mno-avx512bf16)."""
-    include = jax.ffi.include_dir()
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
-                             check=True).stdout.splitlines()[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
-                                    _cpu_flags(), *extra_flags]).encode()).hexdigest()[:16]
-    library = Path(cache_root()) / "kernels" / f"libinfer_dense_{key}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    print("infer: building the CPU dense kernel (once per machine, a few seconds)",
-          file=sys.stderr)
-    # Built beside its final name and renamed, so that processes building at once (pytest
-    # workers) never load a half-written file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    try:
-        subprocess.run([_compiler(), "-O3", "-march=native", *extra_flags, "-std=c++17",
-                        "-shared", "-fPIC", "-isystem", include, str(SOURCE), "-o", partial],
-                       capture_output=True, text=True, check=True)
-        os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return library
-
-
-# Engine threads trace their first programs concurrently; the lock keeps them from each
-# building and registering the kernel.
-_LOADING = threading.Lock()
+KERNEL = Kernel(SOURCE, "InferDenseCpu", TARGET)
 
 
 def available() -> bool:
-    """Whether the kernel is built and registered with XLA:CPU. False (and XLA's product is
-    used) when INFER_CPU_KERNELS=0, off x86-64, or when the build fails (no compiler, no
-    AVX-512); the reason goes to stderr once."""
-    with _LOADING:
-        return _load()
-
-
-@functools.cache
-def _load() -> bool:
-    if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
-        return False
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        _register()
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        print(f"infer: the CPU dense kernel is off, XLA's product is used: "
-              f"{detail.strip().splitlines()[-1] if detail.strip() else error}", file=sys.stderr)
-        return False
-    return True
-
-
-@functools.cache
-def _register(extra_flags: tuple[str, ...] = ()) -> str:
-    """Builds the kernel (with `extra_flags`, see `_build`), loads it and registers it with
-    XLA:CPU; returns its target name (TARGET for the default build)."""
-    library = ctypes.cdll.LoadLibrary(str(_build(extra_flags)))
-    target = TARGET
-    if extra_flags:
-        target += "_" + hashlib.sha256("\0".join(extra_flags).encode()).hexdigest()[:8]
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.InferDenseCpu),
-                                platform="cpu")
-    return target
+    """Whether the kernel is built and registered with XLA:CPU (`kernels_cpu.build`). False,
+    and XLA's product is used, when INFER_CPU_KERNELS=0, off x86-64, or when the build fails."""
+    return KERNEL.available()
 
 
 # Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
@@ -171,7 +83,7 @@ def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
 
 
 def _call(x: jax.Array, w: jax.Array, layout: str, target: str = TARGET) -> jax.Array:
-    """The kernel's custom call; `target` names another build from `_register`."""
+    """The kernel's custom call; `target` names another build (`KERNEL.register(flags)`)."""
     if not available():
         raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
     n = w.shape[0] if layout == "nk" else w.shape[1]

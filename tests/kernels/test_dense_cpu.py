@@ -62,7 +62,7 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
     """This machine's build multiplies bfloat16 pairs by VDPBF16PS; built with -mno-avx512bf16,
     the kernel widens bfloat16 in registers instead, as it does on AVX-512 CPUs without BF16.
     Those paths too match the exact product, and a row's bits do not depend on the others."""
-    target = dense_cpu._register(("-mno-avx512bf16",))
+    target = dense_cpu.KERNEL.register(("-mno-avx512bf16",))
 
     def without_bf16(x, w, layout):
         return dense_cpu._call(x, w, layout, target)

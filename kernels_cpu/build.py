@@ -1,0 +1,123 @@
+"""Building, loading and registering infer's C++ CPU kernels (XLA FFI custom calls).
+
+Each kernel is one C++ file in this folder (with the shared `parallel.h`), built on first use
+with the machine's C++ compiler for the machine's own CPU (`-march=native`, a few seconds) into
+`~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the sources, the compiler, the
+jaxlib headers and the CPU. The kernels need x86-64 with AVX-512 (F, BW); without it, or
+without a compiler, `Kernel.available()` is False and the caller keeps XLA's computation.
+`INFER_CPU_KERNELS=0` turns them all off, to measure XLA against them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+from infer.platform import cache_root
+
+HERE = Path(__file__).parent
+SHARED_HEADERS = (HERE / "parallel.h",)
+
+# Engine threads trace their first programs concurrently; the lock keeps them from each
+# building and registering a kernel.
+_LOADING = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compiles `source` once per (sources, compiler, headers, CPU, flags) and returns the
+    library. `extra_flags` go after -march=native (tests build the paths of CPUs without
+    AVX512-BF16 with -mno-avx512bf16)."""
+    include = jax.ffi.include_dir()
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()[0]
+    texts = [source.read_text(), *(h.read_text() for h in SHARED_HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, version, include, jax.__version__, _cpu_flags(),
+                                    *extra_flags]).encode()).hexdigest()[:16]
+    library = Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    print(f"infer: building the CPU {source.stem} kernel (once per machine, a few seconds)",
+          file=sys.stderr)
+    # Built beside its final name and renamed, so that processes building at once (pytest
+    # workers) never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        subprocess.run([_compiler(), "-O3", "-march=native", *extra_flags, "-std=c++17",
+                        "-shared", "-fPIC", "-isystem", include, "-I", str(HERE), str(source),
+                        "-o", partial], capture_output=True, text=True, check=True)
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return library
+
+
+class Kernel:
+    """One C++ kernel: `source` exports the FFI handler `symbol`, registered as `target`."""
+
+    def __init__(self, source: Path, symbol: str, target: str) -> None:
+        self.source, self.symbol, self.target = source, symbol, target
+        self._register = functools.cache(self._register_build)
+        self._load = functools.cache(self._load_default)
+
+    def available(self) -> bool:
+        """Whether the kernel is built and registered with XLA:CPU. False when
+        INFER_CPU_KERNELS=0, off x86-64, or when the build fails (no compiler, no AVX-512); the
+        reason goes to stderr once."""
+        with _LOADING:
+            return self._load()
+
+    def register(self, extra_flags: tuple[str, ...] = ()) -> str:
+        """Builds the kernel with `extra_flags` (see `build`), loads it and registers it with
+        XLA:CPU; returns its target name (`target` for the default build)."""
+        return self._register(tuple(extra_flags))
+
+    def _load_default(self) -> bool:
+        if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+            return False
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return False
+        try:
+            self._register(())
+        except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
+            detail = getattr(error, "stderr", "") or str(error)
+            print(f"infer: the CPU {self.source.stem} kernel is off, XLA is used instead: "
+                  f"{detail.strip().splitlines()[-1] if detail.strip() else error}",
+                  file=sys.stderr)
+            return False
+        return True
+
+    def _register_build(self, extra_flags: tuple[str, ...]) -> str:
+        library = ctypes.cdll.LoadLibrary(str(build(self.source, extra_flags)))
+        target = self.target
+        if extra_flags:
+            target += "_" + hashlib.sha256("\0".join(extra_flags).encode()).hexdigest()[:8]
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, self.symbol)),
+                                    platform="cpu")
+        return target
