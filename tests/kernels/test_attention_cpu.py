@@ -1,0 +1,129 @@
+"""The CPU decode attention kernel (kernels_cpu/attention.cc) against its jnp reference: random
+shapes (head dims off the 16-lane vector, grouped and ungrouped heads, page sizes 1-16),
+permuted page tables, lengths at every boundary (0, 1, a page +- 1, the table's end), pages no
+valid token uses filled with NaN, both dtypes of queries and pages; the paged cache handing it
+decode steps; errors.
+
+The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
+the paged cache keeps the masked attention (tests/cache covers that path)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_cpu import attention as cpu_attention
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_attention.available(),
+    reason="the CPU attention kernel needs XLA:CPU, x86-64 with AVX-512 and a C++ compiler")
+
+decode = jax.jit(cpu_attention.decode)
+reference = jax.jit(cpu_attention.reference)
+
+
+def _case(rng: np.random.Generator, q_dtype, kv_dtype):
+    b = int(rng.integers(1, 7))
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 3, 4]))
+    d = int(rng.choice([8, 16, 40, 64, 80]))
+    g = int(rng.choice([1, 4, 16]))
+    n = int(rng.integers(1, 6))
+    pages = b * n + 2
+    # Lengths at the boundaries: none, one, a page and either side of it, the table's end.
+    choices = sorted({0, 1, max(g - 1, 1), g, g + 1, n * g, int(rng.integers(0, n * g + 1))})
+    lengths = np.minimum(rng.choice(choices, size=b), n * g).astype(np.int32)
+    table = rng.permutation(pages)[:b * n].reshape(b, n).astype(np.int32)
+    k = rng.standard_normal((pages, kv_heads, g, d)).astype(np.float32)
+    v = rng.standard_normal((pages, kv_heads, g, d)).astype(np.float32)
+    # NaN in every slot no valid token uses (slot 0 is read by a length-0 row).
+    used = np.zeros((pages, g), bool)
+    for row in range(b):
+        for t in range(max(int(lengths[row]), 1)):
+            used[table[row, t // g], t % g] = True
+    poisoned_k, poisoned_v = k.copy(), v.copy()
+    unused = np.broadcast_to(~used[:, None, :], (pages, kv_heads, g))
+    poisoned_k[unused] = np.nan
+    poisoned_v[unused] = np.nan
+    q = jnp.asarray(rng.standard_normal((b, heads, d)).astype(np.float32)).astype(q_dtype)
+    as_kv = lambda x: jnp.asarray(x).astype(kv_dtype)
+    return (q, as_kv(poisoned_k), as_kv(poisoned_v), as_kv(k), as_kv(v), jnp.asarray(lengths),
+            jnp.asarray(table))
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_random_shapes_match_the_reference_and_read_only_valid_tokens(q_dtype, kv_dtype) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        q, poisoned_k, poisoned_v, k, v, lengths, table = _case(rng, q_dtype, kv_dtype)
+        got = np.asarray(decode(q, poisoned_k, poisoned_v, lengths, table), np.float32)
+        want = np.asarray(reference(q, k, v, lengths, table), np.float32)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.isfinite(got).all(), (seed, "read a slot past a row's length")
+        # float32: accumulation order alone; bfloat16 output: one rounding of the result.
+        tol = 2e-5 if q_dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"seed {seed}")
+
+
+def test_a_large_softmax_range_stays_exact() -> None:
+    """Scores tens apart: exp of the differences underflows gracefully, the peak token wins."""
+    rng = np.random.default_rng(5)
+    q, _, _, k, v, lengths, table = _case(rng, jnp.float32, jnp.float32)
+    q = q * 30.0
+    np.testing.assert_allclose(np.asarray(decode(q, k, v, lengths, table)),
+                               np.asarray(reference(q, k, v, lengths, table)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_paged_cache_hands_decode_steps_to_the_kernel() -> None:
+    """A decode step of a float32 or bfloat16 paged cache (reference backend) lowers to the
+    kernel, a prefill chunk to the masked attention, and both give the masked attention's
+    values."""
+    from infer.cache import attention
+    from infer.cache.metadata import AttentionMetadata
+    from infer.cache.paged import PagedKVCache
+
+    rng = np.random.default_rng(3)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache = PagedKVCache.create(1, 9, 4, 2, 16, kv_format=jnp.dtype(dtype).name)
+        k = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
+        v = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
+        cache = dataclasses.replace(cache, k=(k[0],), v=(v[0],))
+        table = jnp.asarray([[3, 1, 7], [2, 8, 5]], jnp.int32)
+        for t in (1, 3):
+            lengths = jnp.asarray([9, 5], jnp.int32)
+            meta = AttentionMetadata(positions=lengths[:, None] - t + jnp.arange(t)[None],
+                                     lengths=lengths, q_lens=jnp.full((2,), t, jnp.int32),
+                                     page_tables=table)
+            q = jnp.asarray(rng.standard_normal((2, t, 4, 16)).astype(np.float32)).astype(dtype)
+            attend = jax.jit(lambda q, cache, meta: cache.attend(0, q, meta))
+            text = attend.lower(q, cache, meta).as_text()
+            assert (cpu_attention.KERNEL.target in text) == (t == 1), (dtype, t)
+            keys = cache._gather(k[0], None, table, jnp.float32)
+            values = cache._gather(v[0], None, table, jnp.float32)
+            want = attention.masked_attention(q, keys, values,
+                                              attention.visibility_mask(meta, keys.shape[2]))
+            tol = 2e-5 if dtype == jnp.float32 else 1e-2
+            np.testing.assert_allclose(np.asarray(attend(q, cache, meta), np.float32),
+                                       np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_bad_operands_are_refused() -> None:
+    q = jnp.ones((2, 4, 16), jnp.float32)
+    pages = jnp.ones((5, 2, 4, 16), jnp.float32)
+    lengths, table = jnp.ones((2,), jnp.int32), jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        cpu_attention.decode(q, jnp.ones((5, 3, 4, 16), jnp.float32),
+                             jnp.ones((5, 3, 4, 16), jnp.float32), lengths, table)
+    with pytest.raises(ValueError, match="keys and values differ"):
+        cpu_attention.decode(q, pages, pages.astype(jnp.bfloat16), lengths, table)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_attention.decode(q.astype(jnp.float16), pages, pages, lengths, table)
+    with pytest.raises(ValueError, match=r"\[B, H, D\]"):
+        cpu_attention.decode(q[None], pages, pages, lengths, table)
