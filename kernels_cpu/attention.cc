@@ -1,17 +1,22 @@
-// Decode attention over a paged KV cache, on CPU: one new query token per row, reading each
-// row's keys and values straight from its pages.
+// Attention over a paged KV cache for steps of a few query tokens a row (decode, verify), on
+// CPU, reading each row's keys and values straight from its pages.
 //
 // XLA's path gathers every row's pages of the attention window into a contiguous [B, K, S, D]
-// copy, masks the slots past the row's length and multiplies; its scores product (q k^T,
-// contracting the keys' minor dim) ran at 4 GB/s and a batch-32 float32 step spent a quarter of
-// its time there. Here each (row, KV head) reads its valid keys and values once, in place.
+// copy, masks the slots each query may not see and multiplies; its scores product (q k^T,
+// contracting the keys' minor dim) ran at 4 GB/s and a batch-32 float32 decode step spent a
+// quarter of its time there. Here each (row, KV head) reads only the tokens its queries see, in
+// place.
 //
-//   out[b, h] = sum_t softmax_t(scale * q[b, h] . k[b, t]) v[b, t],  t < lengths[b]
+//   out[b, t, h] = sum_s softmax_s(scale * q[b, t, h] . k[b, s]) v[b, s],  s < seen(b, t)
 //
-// q [B, H, D] (float32 or bfloat16), pages [P, K, G, D] (float32 or bfloat16, head-major: a
-// page's G tokens of one KV head are contiguous), lengths [B] and page_tables [B, n] int32;
-// out [B, H, D] float32. Query head h reads KV head h / (H / K). A row of length 0 (padding)
-// reads slot 0, as the masked attention it replaces does; its output is never used.
+// A row holds lengths[b] tokens after this step, the last q_lens[b] of them its new ones, so new
+// token t sees seen(b, t) = lengths[b] - q_lens[b] + t + 1 tokens (causal order); a padding query
+// (t >= q_lens[b]) sees slot 0, as the masked attention it replaces does, and its output is
+// never used.
+//
+// q [B, T, H, D] (float32 or bfloat16), pages [P, K, G, D] (float32 or bfloat16, head-major: a
+// page's G tokens of one KV head are contiguous), lengths, q_lens [B] and page_tables [B, n]
+// int32; out [B, T, H, D] float32. Query head h reads KV head h / (H / K).
 
 #include <immintrin.h>
 
@@ -66,7 +71,8 @@ inline __m512 exp16(__m512 x) {
 }
 
 struct Shape {
-  int64_t B, H, D, P, K, G, n;  // rows, query heads, head dim, pages, KV heads, page size, table
+  int64_t B, T, H, D, P, K, G, n;  // rows, queries a row, query heads, head dim, pages, KV heads,
+                                   // page size, table width
 };
 
 // One (row, KV head): its `group` query heads against the row's first `length` tokens. `scores`
@@ -134,8 +140,8 @@ void attend(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t* tab
 
 template <typename Q, typename KV>
 void attend_all(ffi::ThreadPool& pool, const Q* q, const KV* k_pages, const KV* v_pages,
-                const int32_t* lengths, const int32_t* tables, const Shape& s, float scale,
-                float* out) {
+                const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
+                const Shape& s, float scale, float* out) {
   const int64_t group = s.H / s.K;
   // Units are (row, KV head) pairs; four chunks a thread even out threads that start late.
   infer_cpu::run_in_chunks(pool, s.B * s.K, 4 * pool.num_threads(), [&](int64_t first,
@@ -143,67 +149,78 @@ void attend_all(ffi::ThreadPool& pool, const Q* q, const KV* k_pages, const KV* 
     std::vector<float> scores;
     for (int64_t u = first; u < last; ++u) {
       const int64_t b = u / s.K, kv_head = u % s.K;
-      // A row's tokens stop at its table's end; a padding row (length 0) reads slot 0.
-      const int64_t length = std::clamp<int64_t>(lengths[b], 1, s.n * s.G);
-      scores.resize(group * length);
-      attend(q + b * s.H * s.D, k_pages, v_pages, tables + b * s.n, length, s, kv_head, scale,
-             scores.data(), out + b * s.H * s.D);
+      const int64_t start = int64_t(lengths[b]) - q_lens[b];
+      for (int64_t t = 0; t < s.T; ++t) {
+        // Tokens this query sees, within the row's table; a padding query reads slot 0.
+        const int64_t seen =
+            t < q_lens[b] ? std::clamp<int64_t>(start + t + 1, 1, s.n * s.G) : 1;
+        scores.resize(group * seen);
+        const int64_t at = (b * s.T + t) * s.H * s.D;
+        attend(q + at, k_pages, v_pages, tables + b * s.n, seen, s, kv_head, scale,
+               scores.data(), out + at);
+      }
     }
   });
 }
 
 template <typename Q>
 ffi::Error dispatch_pages(ffi::ThreadPool& pool, const Q* q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          const int32_t* lengths, const int32_t* tables, const Shape& s,
-                          float scale, float* out) {
+                          const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
+                          const Shape& s, float scale, float* out) {
   if (k.element_type() == ffi::DataType::F32) {
     attend_all(pool, q, static_cast<const float*>(k.untyped_data()),
-               static_cast<const float*>(v.untyped_data()), lengths, tables, s, scale, out);
+               static_cast<const float*>(v.untyped_data()), lengths, q_lens, tables, s, scale,
+               out);
     return ffi::Error::Success();
   }
   if (k.element_type() == ffi::DataType::BF16) {
     attend_all(pool, q, static_cast<const uint16_t*>(k.untyped_data()),
-               static_cast<const uint16_t*>(v.untyped_data()), lengths, tables, s, scale, out);
+               static_cast<const uint16_t*>(v.untyped_data()), lengths, q_lens, tables, s, scale,
+               out);
     return ffi::Error::Success();
   }
-  return ffi::Error::InvalidArgument("decode_attention_cpu: pages must be float32 or bfloat16");
+  return ffi::Error::InvalidArgument("paged_attention_cpu: pages must be float32 or bfloat16");
 }
 
-ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                 ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
-                                 ffi::Buffer<ffi::S32> page_tables,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> out, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = page_tables.dimensions();
-  const auto vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+ffi::Error paged_attention_impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                                ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> page_tables,
+                                ffi::Result<ffi::Buffer<ffi::F32>> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto td = page_tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument(
-        "decode_attention_cpu: q [B, H, D], pages [P, K, G, D] alike, page_tables [B, n]");
-  const Shape s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1]};
+        "paged_attention_cpu: q [B, T, H, D], pages [P, K, G, D] alike, page_tables [B, n]");
+  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1]};
   if (kd[3] != s.D || td[0] != s.B || lengths.dimensions().size() != 1 ||
-      lengths.dimensions()[0] != s.B || s.K == 0 || s.H % s.K != 0)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: shapes disagree");
-  if (s.B == 0 || s.H == 0 || s.D == 0) return ffi::Error::Success();
+      lengths.dimensions()[0] != s.B || q_lens.dimensions().size() != 1 ||
+      q_lens.dimensions()[0] != s.B || s.K == 0 || s.H % s.K != 0)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: shapes disagree");
+  if (s.B == 0 || s.T == 0 || s.H == 0 || s.D == 0) return ffi::Error::Success();
   if (s.P == 0 || s.n == 0 || s.G == 0)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: no pages to read");
+    return ffi::Error::InvalidArgument("paged_attention_cpu: no pages to read");
   float* o = out->typed_data();
   if (q.element_type() == ffi::DataType::F32)
     return dispatch_pages(pool, static_cast<const float*>(q.untyped_data()), k, v,
-                          lengths.typed_data(), page_tables.typed_data(), s, scale, o);
+                          lengths.typed_data(), q_lens.typed_data(), page_tables.typed_data(), s,
+                          scale, o);
   if (q.element_type() == ffi::DataType::BF16)
     return dispatch_pages(pool, static_cast<const uint16_t*>(q.untyped_data()), k, v,
-                          lengths.typed_data(), page_tables.typed_data(), s, scale, o);
-  return ffi::Error::InvalidArgument("decode_attention_cpu: q must be float32 or bfloat16");
+                          lengths.typed_data(), q_lens.typed_data(), page_tables.typed_data(), s,
+                          scale, o);
+  return ffi::Error::InvalidArgument("paged_attention_cpu: q must be float32 or bfloat16");
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InferDecodeAttentionCpu, decode_attention_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InferPagedAttentionCpu, paged_attention_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

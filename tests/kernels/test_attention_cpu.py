@@ -1,8 +1,8 @@
-"""The CPU decode attention kernel (kernels_cpu/attention.cc) against its jnp reference: random
-shapes (head dims off the 16-lane vector, grouped and ungrouped heads, page sizes 1-16),
-permuted page tables, lengths at every boundary (0, 1, a page +- 1, the table's end), pages no
-valid token uses filled with NaN, both dtypes of queries and pages; the paged cache handing it
-decode steps; errors.
+"""The CPU paged attention kernel (kernels_cpu/attention.cc) against its jnp reference: random
+shapes (head dims off the 16-lane vector, grouped and ungrouped heads, page sizes 1-16, 1-16
+new tokens a row with padding queries), permuted page tables, lengths at every boundary (0, 1,
+a page +- 1, the table's end), pages no visible token uses filled with NaN, both dtypes of
+queries and pages; the paged cache handing it decode and verify steps; errors.
 
 The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
 the paged cache keeps the masked attention (tests/cache covers that path)."""
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_attention.available(),
     reason="the CPU attention kernel needs XLA:CPU, x86-64 with AVX-512 and a C++ compiler")
 
-decode = jax.jit(cpu_attention.decode)
+attend = jax.jit(cpu_attention.attend)
 reference = jax.jit(cpu_attention.reference)
 
 
@@ -34,13 +34,18 @@ def _case(rng: np.random.Generator, q_dtype, kv_dtype):
     g = int(rng.choice([1, 4, 16]))
     n = int(rng.integers(1, 6))
     pages = b * n + 2
+    t = int(rng.choice([1, 1, 2, 5, cpu_attention.MAX_QUERIES]))
+    q_lens = rng.integers(0, t + 1, size=b).astype(np.int32)
+    q_lens[0] = t
     # Lengths at the boundaries: none, one, a page and either side of it, the table's end.
     choices = sorted({0, 1, max(g - 1, 1), g, g + 1, n * g, int(rng.integers(0, n * g + 1))})
-    lengths = np.minimum(rng.choice(choices, size=b), n * g).astype(np.int32)
+    lengths = np.clip(rng.choice(choices, size=b), q_lens, n * g).astype(np.int32)
+    q_lens = np.minimum(q_lens, lengths)
     table = rng.permutation(pages)[:b * n].reshape(b, n).astype(np.int32)
     k = rng.standard_normal((pages, kv_heads, g, d)).astype(np.float32)
     v = rng.standard_normal((pages, kv_heads, g, d)).astype(np.float32)
-    # NaN in every slot no valid token uses (slot 0 is read by a length-0 row).
+    # NaN in every slot no query sees (a row's queries see at most its length; padding queries
+    # and length-0 rows read slot 0).
     used = np.zeros((pages, g), bool)
     for row in range(b):
         for t in range(max(int(lengths[row]), 1)):
@@ -49,21 +54,21 @@ def _case(rng: np.random.Generator, q_dtype, kv_dtype):
     unused = np.broadcast_to(~used[:, None, :], (pages, kv_heads, g))
     poisoned_k[unused] = np.nan
     poisoned_v[unused] = np.nan
-    q = jnp.asarray(rng.standard_normal((b, heads, d)).astype(np.float32)).astype(q_dtype)
+    q = jnp.asarray(rng.standard_normal((b, t, heads, d)).astype(np.float32)).astype(q_dtype)
     as_kv = lambda x: jnp.asarray(x).astype(kv_dtype)
     return (q, as_kv(poisoned_k), as_kv(poisoned_v), as_kv(k), as_kv(v), jnp.asarray(lengths),
-            jnp.asarray(table))
+            jnp.asarray(q_lens), jnp.asarray(table))
 
 
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
-def test_random_shapes_match_the_reference_and_read_only_valid_tokens(q_dtype, kv_dtype) -> None:
+def test_random_shapes_match_the_reference_and_read_only_visible_tokens(q_dtype, kv_dtype) -> None:
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     for _ in range(20):
-        q, poisoned_k, poisoned_v, k, v, lengths, table = _case(rng, q_dtype, kv_dtype)
-        got = np.asarray(decode(q, poisoned_k, poisoned_v, lengths, table), np.float32)
-        want = np.asarray(reference(q, k, v, lengths, table), np.float32)
+        q, poisoned_k, poisoned_v, k, v, lengths, q_lens, table = _case(rng, q_dtype, kv_dtype)
+        got = np.asarray(attend(q, poisoned_k, poisoned_v, lengths, q_lens, table), np.float32)
+        want = np.asarray(reference(q, k, v, lengths, q_lens, table), np.float32)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.isfinite(got).all(), (seed, "read a slot past a row's length")
         # float32: accumulation order alone; bfloat16 output: one rounding of the result.
@@ -74,17 +79,17 @@ def test_random_shapes_match_the_reference_and_read_only_valid_tokens(q_dtype, k
 def test_a_large_softmax_range_stays_exact() -> None:
     """Scores tens apart: exp of the differences underflows gracefully, the peak token wins."""
     rng = np.random.default_rng(5)
-    q, _, _, k, v, lengths, table = _case(rng, jnp.float32, jnp.float32)
+    q, _, _, k, v, lengths, q_lens, table = _case(rng, jnp.float32, jnp.float32)
     q = q * 30.0
-    np.testing.assert_allclose(np.asarray(decode(q, k, v, lengths, table)),
-                               np.asarray(reference(q, k, v, lengths, table)),
+    np.testing.assert_allclose(np.asarray(attend(q, k, v, lengths, q_lens, table)),
+                               np.asarray(reference(q, k, v, lengths, q_lens, table)),
                                rtol=1e-4, atol=1e-4)
 
 
-def test_the_paged_cache_hands_decode_steps_to_the_kernel() -> None:
-    """A decode step of a float32 or bfloat16 paged cache (reference backend) lowers to the
-    kernel, a prefill chunk to the masked attention, and both give the masked attention's
-    values."""
+def test_the_paged_cache_hands_decode_and_verify_steps_to_the_kernel() -> None:
+    """Decode and verify steps of a float32 or bfloat16 paged cache (reference backend) lower
+    to the kernel, a longer prefill chunk to the masked attention, and all give the masked
+    attention's values."""
     from infer.cache import attention
     from infer.cache.metadata import AttentionMetadata
     from infer.cache.paged import PagedKVCache
@@ -95,16 +100,16 @@ def test_the_paged_cache_hands_decode_steps_to_the_kernel() -> None:
         k = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
         v = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
         cache = dataclasses.replace(cache, k=(k[0],), v=(v[0],))
-        table = jnp.asarray([[3, 1, 7], [2, 8, 5]], jnp.int32)
-        for t in (1, 3):
-            lengths = jnp.asarray([9, 5], jnp.int32)
+        table = jnp.asarray([[3, 1, 7, 0, 4, 6], [2, 8, 5, 0, 0, 0]], jnp.int32)
+        for t in (1, 3, cpu_attention.MAX_QUERIES + 1):
+            lengths = jnp.asarray([t + 4, t], jnp.int32)
             meta = AttentionMetadata(positions=lengths[:, None] - t + jnp.arange(t)[None],
                                      lengths=lengths, q_lens=jnp.full((2,), t, jnp.int32),
                                      page_tables=table)
             q = jnp.asarray(rng.standard_normal((2, t, 4, 16)).astype(np.float32)).astype(dtype)
             attend = jax.jit(lambda q, cache, meta: cache.attend(0, q, meta))
             text = attend.lower(q, cache, meta).as_text()
-            assert (cpu_attention.KERNEL.target in text) == (t == 1), (dtype, t)
+            assert (cpu_attention.KERNEL.target in text) == (t <= cpu_attention.MAX_QUERIES), (dtype, t)
             keys = cache._gather(k[0], None, table, jnp.float32)
             values = cache._gather(v[0], None, table, jnp.float32)
             want = attention.masked_attention(q, keys, values,
@@ -115,15 +120,16 @@ def test_the_paged_cache_hands_decode_steps_to_the_kernel() -> None:
 
 
 def test_bad_operands_are_refused() -> None:
-    q = jnp.ones((2, 4, 16), jnp.float32)
+    q = jnp.ones((2, 1, 4, 16), jnp.float32)
     pages = jnp.ones((5, 2, 4, 16), jnp.float32)
-    lengths, table = jnp.ones((2,), jnp.int32), jnp.zeros((2, 3), jnp.int32)
+    lengths, q_lens, table = jnp.ones((2,), jnp.int32), jnp.ones((2,), jnp.int32), \
+        jnp.zeros((2, 3), jnp.int32)
     with pytest.raises(ValueError, match="shapes disagree"):
-        cpu_attention.decode(q, jnp.ones((5, 3, 4, 16), jnp.float32),
-                             jnp.ones((5, 3, 4, 16), jnp.float32), lengths, table)
+        cpu_attention.attend(q, jnp.ones((5, 3, 4, 16), jnp.float32),
+                             jnp.ones((5, 3, 4, 16), jnp.float32), lengths, q_lens, table)
     with pytest.raises(ValueError, match="keys and values differ"):
-        cpu_attention.decode(q, pages, pages.astype(jnp.bfloat16), lengths, table)
+        cpu_attention.attend(q, pages, pages.astype(jnp.bfloat16), lengths, q_lens, table)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_attention.decode(q.astype(jnp.float16), pages, pages, lengths, table)
-    with pytest.raises(ValueError, match=r"\[B, H, D\]"):
-        cpu_attention.decode(q[None], pages, pages, lengths, table)
+        cpu_attention.attend(q.astype(jnp.float16), pages, pages, lengths, q_lens, table)
+    with pytest.raises(ValueError, match=r"\[B, T, H, D\]"):
+        cpu_attention.attend(q[0], pages, pages, lengths, q_lens, table)
