@@ -31,7 +31,6 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "kernels_cpu/dense.cc needs AVX-512 F and BW; dense.py falls back to XLA without it"
 #endif
@@ -385,57 +384,6 @@ inline void column_order(Order order, __m512i& first, __m512i& second) {
   }
 }
 
-// out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order, each 32 columns
-// put back in column order (`order`).
-inline void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t N, int64_t ldp,
-                       Order order, float* out) {
-  __m512i first, second;
-  column_order(order, first, second);
-  auto sum = [&](int64_t m, int64_t c) {
-    const float* p = partials + m * ldp + c;
-    __m512 s = _mm512_loadu_ps(p);
-    for (int64_t b = 1; b < blocks; ++b) s = _mm512_add_ps(s, _mm512_loadu_ps(p + b * M * ldp));
-    return s;
-  };
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = out + m * N;
-    if (order == Order::kColumns) {
-      for (int64_t c = 0; c < N; c += kLanes) {
-        const __m512 s = sum(m, c);  // ldp is N padded to 32 columns: whole vectors to load
-        if (c + kLanes <= N) _mm512_storeu_ps(row + c, s);
-        else _mm512_mask_storeu_ps(row + c, tail_mask(N - c), s);
-      }
-      continue;
-    }
-    for (int64_t c = 0; c < N; c += 2 * kLanes) {
-      const __m512 a = sum(m, c), b = sum(m, c + kLanes);
-      const __m512 low = _mm512_permutex2var_ps(a, first, b);  // columns c .. c + 15
-      const __m512 high = _mm512_permutex2var_ps(a, second, b);
-      if (c + 2 * kLanes <= N) {
-        _mm512_storeu_ps(row + c, low);
-        _mm512_storeu_ps(row + c + kLanes, high);
-      } else {
-        _mm512_mask_storeu_ps(row + c, tail_mask(N - c), low);
-        if (N - c > kLanes)
-          _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), high);
-      }
-    }
-  }
-}
-
-// "kn" products of many rows (kTiledRows or more) are bound by their multiplies, not by reading
-// the weight, and there the passes above lose to their own traffic: every pass loads and stores
-// all rows' partial sums for 8 weight rows, every 8 rows re-read the block, and the blocks'
-// partial sums are added afterwards on one thread. Here each thread takes 32-column strips of
-// the output; a strip's sums are computed a block of weight rows at a time for up to
-// kTiledTileRows rows at once, in registers, then added to the strip's running total in block
-// order. Each sum takes the same terms in the same order as kn_block's partial sums (the same
-// pairs in bfloat16) and the blocks are added in the same order as add_blocks, so a row's bits
-// are the same whichever path its row count takes.
-// From 9 rows, one more than the passes keep in registers (5-8 rows: the same speed either way).
-constexpr int kTiledRows = 9;
-constexpr int kTiledTileRows = 12;  // 24 accumulators of 16 lanes, two weight vectors, a broadcast
-
 // Stores 32 sums (two vectors in partials_order<T>()) as output columns [c, min(c + 32, N)).
 template <typename T>
 inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) {
@@ -454,6 +402,36 @@ inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) 
     if (N - c > kLanes) _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), b);
   }
 }
+
+// out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order, each 32 columns
+// put back in column order.
+template <typename T>
+void add_blocks(const float* partials, int64_t blocks, int64_t M, int64_t N, int64_t ldp,
+                float* out) {
+  auto sum = [&](int64_t m, int64_t c) {
+    const float* p = partials + m * ldp + c;
+    __m512 s = _mm512_loadu_ps(p);
+    for (int64_t b = 1; b < blocks; ++b) s = _mm512_add_ps(s, _mm512_loadu_ps(p + b * M * ldp));
+    return s;
+  };
+  // ldp is N padded to 32 columns: whole vectors to load.
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < N; c += 2 * kLanes)
+      store_columns<T>(out + m * N, c, N, sum(m, c), sum(m, c + kLanes));
+}
+
+// "kn" products of many rows (kTiledRows or more) are bound by their multiplies, not by reading
+// the weight, and there the passes above lose to their own traffic: every pass loads and stores
+// all rows' partial sums for 8 weight rows, every 8 rows re-read the block, and the blocks'
+// partial sums are added afterwards on one thread. Here each thread takes 32-column strips of
+// the output; a strip's sums are computed a block of weight rows at a time for up to
+// kTiledTileRows rows at once, in registers, then added to the strip's running total in block
+// order. Each sum takes the same terms in the same order as kn_block's partial sums (the same
+// pairs in bfloat16) and the blocks are added in the same order as add_blocks, so a row's bits
+// are the same whichever path its row count takes.
+// From 9 rows, one more than the passes keep in registers (5-8 rows: the same speed either way).
+constexpr int kTiledRows = 9;
+constexpr int kTiledTileRows = 12;  // 24 accumulators of 16 lanes, two weight vectors, a broadcast
 
 // The next block's weight, fetched into L2 a line at a time in address order while this block
 // computes. Loads down a 32-column strip touch one line in each of 96 rows, a pattern memory
@@ -667,7 +645,7 @@ void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
     run_units(op, partials, split, first, last);
   });
   if (split == Split::kKnBlocks)
-    add_blocks(partials, units, o.M, o.N, op.ldp, partials_order<T>(), o.out);
+    add_blocks<T>(partials, units, o.M, o.N, op.ldp, o.out);
 }
 
 ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
