@@ -618,61 +618,109 @@ void run_units(const Operands<T>& o, float* partials, Split split, int64_t first
   }
 }
 
+// The units of one product of a group, numbered from `first` among the group's units.
 template <typename T>
-void multiply(ffi::ThreadPool& pool, const Operands<T>& o, bool nk) {
-  const Split split = nk ? Split::kNkRows : (o.M >= kTiledRows ? Split::kKnStrips
-                                                               : Split::kKnBlocks);
-  const int64_t units = split == Split::kNkRows ? (o.N + kNkUnit - 1) / kNkUnit
-                        : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
-                                                    : (o.K + kKnBlockRows - 1) / kKnBlockRows;
+struct Product {
+  Operands<T> o;
+  int64_t units = 0;
+  int64_t first = 0;
+  float* partials = nullptr;  // kKnBlocks: the blocks' partial sums, [units, M, ldp]
+};
+
+// Products of the same rows with several weights of one layout (a layer's query, key and value
+// projections; its gate and up projections), split between threads as one piece of work: one
+// hand-off to the pool instead of one per weight, and weights too small to be worth splitting
+// on their own (a key projection: 221 KB in bfloat16) share the threads with the rest. Each
+// product's units and sums are those of the product alone, so its bits are too.
+template <typename T>
+void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool nk) {
+  const int64_t M = ops.front().M;
+  const Split split = nk ? Split::kNkRows : (M >= kTiledRows ? Split::kKnStrips
+                                                             : Split::kKnBlocks);
+  std::vector<Product<T>> products(ops.size());
+  int64_t units = 0, scratch_floats = 0, weight_bytes = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Product<T>& p = products[i];
+    p.o = ops[i];
+    const Operands<T>& o = ops[i];
+    p.units = split == Split::kNkRows ? (o.N + kNkUnit - 1) / kNkUnit
+              : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
+                                          : (o.K + kKnBlockRows - 1) / kKnBlockRows;
+    p.first = units;
+    units += p.units;
+    if (split == Split::kKnBlocks) {
+      p.o.ldp = (o.N + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+      scratch_floats += p.units * M * p.o.ldp;
+    }
+    weight_bytes += o.K * o.N * int64_t(sizeof(T));
+  }
   // The calling thread's scratch for "kn" partial sums, kept between calls (pool threads write
   // into it only while this call waits for them).
   thread_local std::vector<float> scratch;
-  float* partials = nullptr;
-  Operands<T> op = o;
-  if (split == Split::kKnBlocks) {
-    op.ldp = (o.N + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
-    if (int64_t(scratch.size()) < units * o.M * op.ldp) scratch.resize(units * o.M * op.ldp);
-    partials = scratch.data();
+  if (int64_t(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
+  for (int64_t i = 0, offset = 0; split == Split::kKnBlocks && i < int64_t(products.size()); ++i) {
+    products[i].partials = scratch.data() + offset;
+    offset += products[i].units * M * products[i].o.ldp;
   }
-  const int64_t weight_bytes = o.K * o.N * int64_t(sizeof(T));
   // Rows of "nk" and strips: four chunks a thread even out threads that start late. "kn"
   // blocks are chunks. Small weights stay on the calling thread.
   const int64_t threads = pool.num_threads();
   const int64_t chunks = weight_bytes < kParallelBytes ? 1
                          : split == Split::kKnBlocks ? units : 4 * threads;
   infer_cpu::run_in_chunks(pool, units, chunks, [&](int64_t first, int64_t last) {
-    run_units(op, partials, split, first, last);
+    for (const Product<T>& p : products) {
+      const int64_t lo = std::max(first, p.first), hi = std::min(last, p.first + p.units);
+      if (lo < hi) run_units(p.o, p.partials, split, lo - p.first, hi - p.first);
+    }
   });
   if (split == Split::kKnBlocks)
-    add_blocks<T>(partials, units, o.M, o.N, op.ldp, o.out);
+    for (const Product<T>& p : products)
+      add_blocks<T>(p.partials, p.units, M, p.o.N, p.o.ldp, p.o.out);
 }
 
-ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::Buffer<ffi::F32>> out, bool nk) {
+// out_i = x times w_i for each weight w_i (all of one dtype and layout), in one call.
+ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights,
+                      ffi::RemainingRets outs, bool nk) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("dense_cpu: x must be [M, K] and w 2-D");
-  if (x.element_type() != w.element_type())
-    return ffi::Error::InvalidArgument("dense_cpu: x and w must share a dtype");
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("dense_cpu: x must be [M, K]");
+  if (weights.size() == 0 || weights.size() != outs.size())
+    return ffi::Error::InvalidArgument("dense_cpu: one output per weight, at least one");
   const int64_t M = xd[0], K = xd[1];
-  const int64_t N = nk ? wd[0] : wd[1];
-  if ((nk ? wd[1] : wd[0]) != K)
-    return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
-  float* o = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(o, o + M * N, 0.0f);
-    return ffi::Error::Success();
+  std::vector<ffi::AnyBuffer> ws;
+  std::vector<float*> os;
+  std::vector<int64_t> ns;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !out.has_value())
+      return ffi::Error::InvalidArgument("dense_cpu: weights must be arrays, outputs float32");
+    const auto wd = w->dimensions();
+    if (wd.size() != 2) return ffi::Error::InvalidArgument("dense_cpu: w must be 2-D");
+    if (w->element_type() != x.element_type())
+      return ffi::Error::InvalidArgument("dense_cpu: x and w must share a dtype");
+    if ((nk ? wd[1] : wd[0]) != K)
+      return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
+    const int64_t N = nk ? wd[0] : wd[1];
+    float* o = (*out)->typed_data();
+    if (M == 0 || N == 0) continue;
+    if (K == 0) {
+      std::fill(o, o + M * N, 0.0f);
+      continue;
+    }
+    ws.push_back(*w);
+    os.push_back(o);
+    ns.push_back(N);
   }
-  switch (w.element_type()) {
-    case ffi::DataType::F32:
-      multiply(pool,
-               Operands<float>{static_cast<const float*>(x.untyped_data()), nullptr,
-                               static_cast<const float*>(w.untyped_data()), o, M, K, N},
-               nk);
+  if (ws.empty()) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::DataType::F32: {
+      std::vector<Operands<float>> ops;
+      for (size_t i = 0; i < ws.size(); ++i)
+        ops.push_back({static_cast<const float*>(x.untyped_data()), nullptr,
+                       static_cast<const float*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
+      multiply(pool, ops, nk);
       return ffi::Error::Success();
+    }
     case ffi::DataType::BF16: {
       // Where the CPU multiplies bfloat16 pairs, both layouts read the rows as they came;
       // elsewhere they are widened once here. The weight, which is the traffic, stays 16-bit.
@@ -685,10 +733,11 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         std::memcpy(&xf[i], &bits, sizeof(float));
       }
 #endif
-      multiply(pool,
-               Operands<uint16_t>{xf.empty() ? nullptr : xf.data(), xb,
-                                  static_cast<const uint16_t*>(w.untyped_data()), o, M, K, N},
-               nk);
+      std::vector<Operands<uint16_t>> ops;
+      for (size_t i = 0; i < ws.size(); ++i)
+        ops.push_back({xf.empty() ? nullptr : xf.data(), xb,
+                       static_cast<const uint16_t*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
+      multiply(pool, ops, nk);
       return ffi::Error::Success();
     }
     default:
@@ -702,6 +751,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InferDenseCpu, dense_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<bool>("nk"));

@@ -17,14 +17,15 @@ registers. It is built on first use (`kernels_cpu.build`); without AVX-512 or a 
 Each output element is summed in an order fixed by K and the layout alone, so a row's result
 does not depend on which other rows share the call (batch invariance).
 
-`reference` is the jnp product it must equal, `multiply` the kernel, `ROWS` the products
-`dense` hands it.
+`reference` is the jnp product it must equal, `multiply` the kernel (`multiply_group`: one
+activation against several weights in one call), `ROWS` the products `dense` hands it.
 """
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,31 +84,46 @@ def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
 
 
-def _call(x: jax.Array, w: jax.Array, layout: str, target: str = TARGET) -> jax.Array:
-    """The kernel's custom call; `target` names another build (`KERNEL.register(flags)`)."""
+def _call(x: jax.Array, weights: Sequence[jax.Array], layout: str, target: str = TARGET
+          ) -> tuple[jax.Array, ...]:
+    """The kernel's custom call, x times each weight in one call; `target` names another build
+    (`KERNEL.register(flags)`)."""
     if not available():
         raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
-    n = w.shape[0] if layout == "nk" else w.shape[1]
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, nk=layout == "nk")
+    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if layout == "nk" else w.shape[1]),
+                                      jnp.float32) for w in weights)
+    return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(x, *weights,
+                                                                          nk=layout == "nk"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def multiply_group(x: jax.Array, weights: tuple[jax.Array, ...], layout: str
+                   ) -> tuple[jax.Array, ...]:
+    """x [M, K] times each weight (all [K, N_i] for "kn" or [N_i, K] for "nk", one dtype) ->
+    one [M, N_i] float32 product each, by the kernel in one call: the weights share the threads
+    as one piece of work (a layer's query, key and value projections), and each product's bits
+    are those of `multiply` alone. Differentiable as `multiply`."""
+    if not weights:
+        raise ValueError("multiply_group needs at least one weight")
+    for w in weights:
+        _check(x, w, layout)
+    return _call(x, tuple(weights), layout)
+
+
+def _forward(x, weights, layout):
+    return multiply_group(x, weights, layout), (x, weights)
+
+
+def _backward(layout, residuals, grads):
+    x, weights = residuals
+    _, pullback = jax.vjp(lambda a, ws: tuple(reference(a, w, layout) for w in ws), x, weights)
+    return pullback(grads)
+
+
+multiply_group.defvjp(_forward, _backward)
+
+
 def multiply(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
     """x [M, K] times w ([K, N] for "kn", [N, K] for "nk") -> [M, N] float32, by the kernel.
     Differentiable: the backward pass is jnp's (training never needs the kernel's speed)."""
-    _check(x, w, layout)
-    return _call(x, w, layout)
-
-
-def _forward(x, w, layout):
-    return multiply(x, w, layout), (x, w)
-
-
-def _backward(layout, residuals, grad):
-    x, w = residuals
-    _, pullback = jax.vjp(lambda a, b: reference(a, b, layout), x, w)
-    return pullback(grad)
-
-
-multiply.defvjp(_forward, _backward)
+    return multiply_group(x, (w,), layout)[0]

@@ -65,7 +65,7 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
     target = dense_cpu.KERNEL.register(("-mno-avx512bf16",))
 
     def without_bf16(x, w, layout):
-        return dense_cpu._call(x, w, layout, target)
+        return dense_cpu._call(x, (w,), layout, target)[0]
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
@@ -106,6 +106,30 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout,
                                           whole[:, lo:hi])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", dense_cpu.LAYOUTS)
+def test_a_group_of_weights_gives_each_products_bits(layout, dtype) -> None:
+    """multiply_group(x, ws) is multiply(x, w) for each w, bit for bit, whatever the group's
+    sizes: few rows and tiled rows, weights below and above the threading threshold side by
+    side (their units then share the threads), one weight empty of columns."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    group = jax.jit(dense_cpu.multiply_group, static_argnums=2)
+    for _ in range(6):
+        m = int(rng.choice([1, 2, 5, 8, 9, 13, int(rng.integers(1, 40))]))
+        k = int(rng.choice([17, 96, 97, int(rng.integers(1, 700))]))
+        ns = [int(rng.choice([0, 1, 33, int(rng.integers(1, 1300))]))
+              for _ in range(int(rng.integers(1, 4)))]
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32)).astype(dtype)
+        ws = tuple(jnp.asarray(rng.standard_normal((n, k) if layout == "nk" else (k, n),
+                                                   np.float32)).astype(dtype) for n in ns)
+        outs = group(x, ws, layout)
+        assert len(outs) == len(ws)
+        for w, out in zip(ws, outs):
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(multiply(x, w, layout)),
+                                          err_msg=f"seed {seed}, m={m} k={k} ns={ns}")
+
+
 def test_gradients_are_the_reference_products() -> None:
     rng = np.random.default_rng(3)
     for layout in dense_cpu.LAYOUTS:
@@ -118,6 +142,18 @@ def test_gradients_are_the_reference_products() -> None:
         want = jax.grad(loss(dense_cpu.reference), argnums=(0, 1))(x, w)
         for g, r in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    x, w = _operands(rng, 3, 40, 24, "kn", jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((40, 7), np.float32))
+
+    def group_loss(product):
+        return lambda x, ws: sum(jnp.sum(jnp.sin(out)) for out in product(x, ws))
+
+    got = jax.grad(group_loss(lambda x, ws: dense_cpu.multiply_group(x, ws, "kn")),
+                   argnums=(0, 1))(x, (w, w2))
+    want = jax.grad(group_loss(lambda x, ws: [dense_cpu.reference(x, v, "kn") for v in ws]),
+                    argnums=(0, 1))(x, (w, w2))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_operands_are_refused() -> None:
@@ -132,6 +168,10 @@ def test_bad_operands_are_refused() -> None:
         dense_cpu.multiply(x.astype(jnp.float16), jnp.ones((8, 4), jnp.float16), "kn")
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         dense_cpu.multiply(x[None], jnp.ones((8, 4), jnp.float32), "kn")
+    with pytest.raises(ValueError, match="at least one weight"):
+        dense_cpu.multiply_group(x, (), "kn")
+    with pytest.raises(ValueError, match="disagree on K"):
+        dense_cpu.multiply_group(x, (jnp.ones((8, 4)), jnp.ones((7, 4))), "kn")
 
 
 def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
@@ -172,3 +212,23 @@ def test_dense_leaves_products_under_a_mesh_to_xla() -> None:
     assert dense_cpu.TARGET not in text
     assert dense_cpu.TARGET in jax.jit(lambda x, w: dense(x, w, "bte,ef->btf")).lower(
         x, w).as_text()
+
+
+def test_dense_group_is_dense_per_weight_in_one_call() -> None:
+    """`dense_group` gives each weight's `dense` bit for bit: one kernel call for the whole group
+    where `dense` takes the kernel, XLA's products past ROWS."""
+    from infer.model.llama import dense, dense_group
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    past = max(dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]) + 1
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for m in (1, 4, 12, past):
+            x = jnp.asarray(rng.standard_normal((1, m, 64), np.float32))
+            ws = tuple(jnp.asarray(rng.standard_normal((64, n), np.float32)).astype(dtype)
+                       for n in (96, 32, 32))
+            fn = jax.jit(lambda x, ws: dense_group(x, ws, "bte,ef->btf"))
+            calls = fn.lower(x, ws).as_text().count(dense_cpu.TARGET)
+            assert calls == (1 if m < past else 0), (dtype, m, calls)
+            for w, got in zip(ws, fn(x, ws)):
+                want = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))(x, w)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
