@@ -106,8 +106,9 @@ def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: in
 
 def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
                      dtype: Any = "float32") -> dict[str, float]:
-    """This machine's copy bandwidth (bytes read + written per second, through XLA) and dense
-    matmul FLOP/s, measured now, on the default device."""
+    """This machine's copy bandwidth (bytes read + written per second, through XLA), read
+    bandwidth (bytes read per second by a reduction) and dense matmul FLOP/s, measured now, on
+    the default device."""
     # JAX is imported where it is used: the experiments without a model (fragmentation,
     # memory_budget, the prefix cache alone) run without starting it.
     import jax
@@ -125,10 +126,19 @@ def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
 
     bandwidth = 2 * n * 4 / median_time(step, repeats=7)
     del box
+    # Reading alone runs slower than the copy's reads and writes together (on the development
+    # machine 32-35 against 51-55 GB/s): a decode step's weights are only read. Random values:
+    # a gigabyte of equal values read at 47-51 GB/s there, pages of equal contents apparently
+    # shared by the host, which no weight is.
+    data = jnp.asarray(np.random.default_rng(0).random((n // 16, 16), np.float32))
+    read = jax.jit(lambda a: jnp.max(a, axis=0))
+    read_bandwidth = n * 4 / median_time(lambda: read(data), repeats=7)
+    del data
     a = jnp.asarray(np.random.default_rng(0).standard_normal((matmul_n, matmul_n)), dtype)
     mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
     flops = 2 * matmul_n**3 / median_time(lambda: mm(a), repeats=5)
-    return {"copy_bandwidth_Bps": bandwidth, "matmul_flops": flops,
+    return {"copy_bandwidth_Bps": bandwidth, "read_bandwidth_Bps": read_bandwidth,
+            "matmul_flops": flops,
             "matmul_dtype": jnp.dtype(dtype).name}
 
 

@@ -3,7 +3,9 @@ batch on a contiguous cache, the next step dispatched before the last tokens are
 the same loop over a paged cache) against the engine's (scheduler, paged cache, per-request
 bookkeeping), same weights, dtype, lengths and batch, in one run; with the engine's step split
 into host scheduling, input building, device time and output handling, the bytes a step must
-move against the bandwidth floor, and HF transformers' decode step (`generate`, the same
+move against the bandwidth floor (those bytes at the copy bandwidth, reads and writes together,
+as issue 13 sets it; and at the read bandwidth, which memory serves a read-only stream at and is
+what a step can reach), and HF transformers' decode step (`generate`, the same
 prompts) as the peer.
 
   python -m experiments.engine_overhead --batch_sizes=1,8,32 --dtypes=float32,bfloat16
@@ -172,10 +174,14 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.device_steps.params))
         kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, dtype)
         floor_ms = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"] * 1e3
+        # The same bytes at the rate memory serves reads alone: what a step could reach.
+        read_floor_ms = (weight_bytes + kv_read) / ceilings()["read_bandwidth_Bps"] * 1e3
         row |= {"bytes_per_step": weight_bytes + kv_read, "floor_step_ms": floor_ms,
-                "engine_of_floor": floor_ms / engine_ms, **ceilings()}
+                "engine_of_floor": floor_ms / engine_ms, "read_floor_step_ms": read_floor_ms,
+                "engine_of_read_floor": read_floor_ms / engine_ms, **ceilings()}
         if steps is not None:
             row["plain_of_floor"] = floor_ms / row["plain_step_ms"]
+            row["plain_of_read_floor"] = read_floor_ms / row["plain_step_ms"]
         return row
 
     # A run without the plain loops is another point: its rows hold fewer numbers.
@@ -191,7 +197,8 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                         lambda b=b: measure(dtype, b, model, config, tokenizer, mesh, steps))
     rows = log.rows()
     if "copy_bandwidth_Bps" in rows[0]:
-        print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s (this run)")
+        print(f"\ncopy bandwidth {rows[0]['copy_bandwidth_Bps'] / 1e9:.1f} GB/s, read bandwidth "
+              f"{rows[0].get('read_bandwidth_Bps', float('nan')) / 1e9:.1f} GB/s (this run)")
     print(markdown_table(rows, [("dtype", "dtype"), ("batch", "batch"),
                                 ("plain_step_ms", "plain ms"),
                                 ("plain_paged_step_ms", "plain paged ms"),
@@ -203,6 +210,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                                 ("device_ms", "device ms"), ("output_ms", "output ms"),
                                 ("floor_step_ms", "floor ms"),
                                 ("engine_of_floor", "engine of floor"),
+                                ("engine_of_read_floor", "engine of read floor"),
                                 ("hf_step_ms", "HF ms"), ("engine_vs_hf", "engine × HF")]))
     return rows
 
