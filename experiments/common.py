@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,6 +85,26 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> flo
     return float(np.median(times))
 
 
+def interleaved_medians(programs: Mapping[str, Callable[..., Any]], args: Sequence[Any],
+                        repeats: int, calls: int = 1) -> dict[str, float]:
+    """Median seconds per call of each program on `args`, after one untimed call each; each
+    timing is `calls` calls, and the programs take turns repeat by repeat, so that a slow
+    spell of the machine falls on all of them alike."""
+    import jax
+
+    for fn in programs.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, fn in programs.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = fn(*args)
+            jax.block_until_ready(result)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: int
                         ) -> tuple[float, float]:
     """(seconds to the first token, seconds per decode step after it) of `generate(n)`, a
@@ -105,10 +125,11 @@ def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: in
 
 
 def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
-                     dtype: Any = "float32") -> dict[str, float]:
+                     dtype: Any = "float32", buffers: int = 3) -> dict[str, Any]:
     """This machine's copy bandwidth (bytes read + written per second, through XLA), read
     bandwidth (bytes read per second by a reduction) and dense matmul FLOP/s, measured now, on
-    the default device."""
+    the default device; each bandwidth the median over `buffers` buffers of `copy_bytes`, whose
+    figures are kept too (`*_samples_Bps`)."""
     # JAX is imported where it is used: the experiments without a model (fragmentation,
     # memory_budget, the prefix cache alone) run without starting it.
     import jax
@@ -118,26 +139,30 @@ def measure_ceilings(copy_bytes: int = 1 << 30, matmul_n: int = 2048,
     # Donated, so the output reuses the input's pages: a fresh 1 GiB output every call would
     # time the kernel's page faults rather than the memory bus.
     copy = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    box = [jnp.ones((n,), jnp.float32)]
-
-    def step() -> jax.Array:
-        box[0] = copy(box[0])
-        return box[0]
-
-    bandwidth = 2 * n * 4 / median_time(step, repeats=7)
-    del box
-    # Reading alone runs slower than the copy's reads and writes together (on the development
-    # machine 32-35 against 51-55 GB/s): a decode step's weights are only read. Random values:
-    # a gigabyte of equal values read at 47-51 GB/s there, pages of equal contents apparently
-    # shared by the host, which no weight is.
-    data = jnp.asarray(np.random.default_rng(0).random((n // 16, 16), np.float32))
+    # Reading alone can run slower than a copy's reads and writes together, and a decode step's
+    # weights are only read.
     read = jax.jit(lambda a: jnp.max(a, axis=0))
-    read_bandwidth = n * 4 / median_time(lambda: read(data), repeats=7)
-    del data
+    rng = np.random.default_rng(0)
+    # Each on a few buffers allocated afresh, the median of them: on the development machine
+    # (a 2-vCPU VM) one buffer copied at 51-55 GB/s and the next, same process, at 96-102, and
+    # reads ran at 33-35 or 53: where the host put the pages decides.
+    copies, reads = [], []
+    for _ in range(buffers):
+        box = [jnp.asarray(rng.random((n // 16, 16), np.float32))]
+
+        def step() -> jax.Array:
+            box[0] = copy(box[0])
+            return box[0]
+
+        reads.append(n * 4 / median_time(lambda: read(box[0]), repeats=5))
+        copies.append(2 * n * 4 / median_time(step, repeats=5))
+        del box
+    bandwidth, read_bandwidth = float(np.median(copies)), float(np.median(reads))
     a = jnp.asarray(np.random.default_rng(0).standard_normal((matmul_n, matmul_n)), dtype)
     mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
     flops = 2 * matmul_n**3 / median_time(lambda: mm(a), repeats=5)
     return {"copy_bandwidth_Bps": bandwidth, "read_bandwidth_Bps": read_bandwidth,
+            "copy_bandwidth_samples_Bps": copies, "read_bandwidth_samples_Bps": reads,
             "matmul_flops": flops,
             "matmul_dtype": jnp.dtype(dtype).name}
 

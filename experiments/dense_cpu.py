@@ -4,7 +4,7 @@ shapes, per layout, dtype and row count.
   python -m experiments.dense_cpu --rows=1,2,3,4,5,8
 
 Two workloads, each one jitted program timed whole (median of --repeats timings of --calls
-calls), so that weights stream from memory as in a decode step rather than sit in cache:
+calls, the kernel, XLA and any --variants taking turns), so that weights stream from memory as in a decode step rather than sit in cache:
 - "kn": a chain of --layers MLP-sized products, x [M, 576] x [576, 1536], then [M, 1536] x
   [1536, 576], with a tanh between and a residual add (the model's projections, stored
   [in, out]);
@@ -18,11 +18,11 @@ bytes read per second; writes one JSON line per point to results/dense_cpu.jsonl
 
 from __future__ import annotations
 
-import time
-
 from absl import flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+# Builds of the kernel with a part turned off, for what that part is worth (`--variants`).
+VARIANTS = {"no_line_walk": ("-DINFER_DENSE_NO_LINE_WALK",)}
 flags.DEFINE_list("rows", ["1", "2", "3", "4", "5", "8"], "activation rows M", flag_values=FLAGS)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes", flag_values=FLAGS)
 flags.DEFINE_list("layouts", ["kn", "nk"], "weight layouts", flag_values=FLAGS)
@@ -31,18 +31,21 @@ flags.DEFINE_integer("layers", 30, "MLP layers in the kn chain (SmolLM2 has 30)"
 flags.DEFINE_integer("calls", 10, "calls per timing", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)",
                      flag_values=FLAGS)
+flags.DEFINE_list("variants", [], "builds of the kernel timed beside it, by name: "
+                  + ", ".join(f"{k} ({' '.join(v)})" for k, v in VARIANTS.items()),
+                  flag_values=FLAGS)
 flags.DEFINE_string("out", "results/dense_cpu.jsonl", "JSONL output", flag_values=FLAGS)
 
 EMBED, FFN, VOCAB = 576, 1536, 49152
 
 
 def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, calls: int,
-        repeats: int, out: str) -> list[dict]:
+        repeats: int, out: str, variants: list[str] = ()) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from experiments.common import ResultLog, markdown_table
+    from experiments.common import ResultLog, interleaved_medians, markdown_table
     from infer.model.llama import xla_dense
     from kernels_cpu import dense as dense_cpu
 
@@ -55,6 +58,15 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
     def kernel(x, w, layout):
         return dense_cpu.multiply(x, w, layout)
 
+    def build(flags_):
+        target = dense_cpu.KERNEL.register(flags_)
+        return lambda x, w, layout: dense_cpu._call(x, (w,), layout, target)[0]
+
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
+    builds = {"kernel": kernel, "xla": xla, **{v: build(VARIANTS[v]) for v in variants}}
+
     def chain(product):
         def fn(x, weights):
             for up, down in weights:
@@ -65,17 +77,6 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
 
     def vocab(product):
         return jax.jit(lambda x, w: product(x.astype(w.dtype), w, "nk"))
-
-    def timed(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                result = fn(*args)
-            jax.block_until_ready(result)
-            times.append((time.perf_counter() - start) / calls)
-        return 1e3 * float(np.median(times))
 
     rng = np.random.default_rng(0)
     log = ResultLog(out)
@@ -90,12 +91,12 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
             if layout == "kn":
                 weights = [(weight((EMBED, FFN), EMBED ** -0.5), weight((FFN, EMBED), FFN ** -0.5))
                            for _ in range(layers)]
-                programs = {"kernel": chain(kernel), "xla": chain(xla)}
+                programs = {name: chain(product) for name, product in builds.items()}
                 args = (weights,)
                 nbytes = layers * 2 * EMBED * FFN * dtype.itemsize
             else:
                 weights = weight((VOCAB, EMBED), EMBED ** -0.5)
-                programs = {"kernel": vocab(kernel), "xla": vocab(xla)}
+                programs = {name: vocab(product) for name, product in builds.items()}
                 args = (weights,)
                 nbytes = VOCAB * EMBED * dtype.itemsize
             for m in map(int, rows):
@@ -103,11 +104,13 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                 row = {"experiment": "dense_cpu", "layout": layout, "dtype": dtype_name,
                        "rows": m, "layers": layers if layout == "kn" else 1,
                        "weight_mb": nbytes / 1e6, "calls": calls, "repeats": repeats}
-                for name, fn in programs.items():
-                    ms = timed(fn, x, *args)
+                for name, s in interleaved_medians(programs, (x, *args), repeats, calls).items():
+                    ms = 1e3 * s
                     row[f"{name}_ms"] = ms
                     row[f"{name}_gb_s"] = nbytes / ms / 1e6
                 row["kernel_speedup"] = row["xla_ms"] / row["kernel_ms"]
+                for v in variants:  # > 1: the part turned off in that build is worth this
+                    row[f"{v}_over_kernel"] = row[f"{v}_ms"] / row["kernel_ms"]
                 row["dense_takes_kernel"] = m in dense_cpu.ROWS.get((layout, dtype), ())
                 log.append(row)
                 table.append(row)
@@ -116,6 +119,7 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                                  ("kernel_ms", "kernel ms"), ("kernel_gb_s", "kernel GB/s"),
                                  ("xla_ms", "XLA ms"), ("xla_gb_s", "XLA GB/s"),
                                  ("kernel_speedup", "XLA / kernel"),
+                                 *[(f"{v}_over_kernel", f"{v} / kernel") for v in variants],
                                  ("dense_takes_kernel", "dense uses the kernel")]))
     return table
 

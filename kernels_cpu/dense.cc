@@ -435,9 +435,9 @@ constexpr int kTiledTileRows = 12;  // 24 accumulators of 16 lanes, two weight v
 
 // The next block's weight, fetched into L2 a line at a time in address order while this block
 // computes. Loads down a 32-column strip touch one line in each of 96 rows, a pattern memory
-// serves slowly (one thread read 60 MLP weights at 4.6 GB/s, 150 GFLOP/s at 32 rows, against
-// 200 with the weight in cache); these requests arrive row by row, as a stream's do. Interleaved
-// in one process, 32-row products ran 1.18x faster with the walk than without.
+// serves slowly; these requests arrive row by row, as a stream's do. Built with
+// -DINFER_DENSE_NO_LINE_WALK the kernel goes without it: `python -m experiments.dense_cpu
+// --variants=no_line_walk --rows=12,32,128 --layouts=kn` times the two builds side by side.
 struct LineWalk {
   const char* row = nullptr;  // the row segment being fetched
   int64_t stride = 0;         // bytes from one weight row to the next
@@ -580,12 +580,17 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
     const int64_t k1 = std::min(o.K, k0 + kKnBlockRows);
     LineWalk walk{reinterpret_cast<const char*>(o.w + k1 * o.N + c0), o.N * int64_t(sizeof(T)),
                   lines, 0, (std::min(o.K, k1 + kKnBlockRows) - k1) * lines};
+#if defined(INFER_DENSE_NO_LINE_WALK)
+    LineWalk* line_walk = nullptr;
+#else
+    LineWalk* line_walk = &walk;
+#endif
     for (int64_t c = c0; c < c1; c += 2 * kLanes) {
       for (int64_t m = 0; m < o.M; m += kTiledTileRows) {
         kn_strip_rows<kTiledTileRows, T>(
             o.x ? o.x + m * o.K : nullptr, o.x16 ? o.x16 + m * o.K : nullptr, o.w,
             total.data() + m * width + (c - c0), width, o.out + m * o.N, o.K, o.N, k0, k1, c,
-            std::min<int64_t>(kTiledTileRows, o.M - m), m == 0 ? &walk : nullptr, k0 == 0,
+            std::min<int64_t>(kTiledTileRows, o.M - m), m == 0 ? line_walk : nullptr, k0 == 0,
             k1 == o.K);
       }
     }
