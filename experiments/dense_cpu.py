@@ -3,12 +3,17 @@ shapes, per layout, dtype and row count.
 
   python -m experiments.dense_cpu --rows=1,2,3,4,5,8
 
-Two workloads, each one jitted program timed whole (median of --repeats timings of --calls
-calls, the kernel, XLA and any --variants taking turns), so that weights stream from memory as in a decode step rather than sit in cache:
+Three workloads, each one jitted program timed whole (median of --repeats timings of --calls
+calls, the kernel, XLA and any --variants taking turns), so that weights stream from memory as
+in a decode step rather than sit in cache:
 - "kn": a chain of --layers MLP-sized products, x [M, 576] x [576, 1536], then [M, 1536] x
   [1536, 576], with a tanh between and a residual add (the model's projections, stored
   [in, out]);
-- "nk": the tied vocabulary projection, [M, 576] x [49152, 576]^T.
+- "nk": the tied vocabulary projection, [M, 576] x [49152, 576]^T;
+- "layer": --layers decoder layers' seven [in, out] products (query, key, value, output, gate,
+  up, down; attention left out), the query/key/value and gate/up products grouped in one
+  kernel call each as the model's `dense_group` does them; also timed as seven separate
+  kernel calls ("kernel_ungrouped"), for what grouping is worth.
 XLA's side is what `infer.model.llama.dense` does without the kernel (`xla_dense`: `jnp.einsum`
 with float32 accumulation, one-row 16-bit products padded to two rows, float32 [N, K] products
 of 2-8 rows as a multiply-and-reduce). Prints ms per call and the weight
@@ -25,8 +30,9 @@ FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experi
 VARIANTS = {"no_line_walk": ("-DINFER_DENSE_NO_LINE_WALK",)}
 flags.DEFINE_list("rows", ["1", "2", "3", "4", "5", "8"], "activation rows M", flag_values=FLAGS)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes", flag_values=FLAGS)
-flags.DEFINE_list("layouts", ["kn", "nk"], "weight layouts", flag_values=FLAGS)
-flags.DEFINE_integer("layers", 30, "MLP layers in the kn chain (SmolLM2 has 30)",
+flags.DEFINE_list("layouts", ["kn", "nk"], "workloads: weight layouts kn and nk, or layer",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("layers", 30, "layers in the kn and layer chains (SmolLM2 has 30)",
                      flag_values=FLAGS)
 flags.DEFINE_integer("calls", 10, "calls per timing", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)",
@@ -36,7 +42,7 @@ flags.DEFINE_list("variants", [], "builds of the kernel timed beside it, by name
                   flag_values=FLAGS)
 flags.DEFINE_string("out", "results/dense_cpu.jsonl", "JSONL output", flag_values=FLAGS)
 
-EMBED, FFN, VOCAB = 576, 1536, 49152
+EMBED, FFN, VOCAB, KV = 576, 1536, 49152, 192
 
 
 def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, calls: int,
@@ -52,16 +58,22 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
     if not dense_cpu.available():
         raise SystemExit("the CPU dense kernel is not available on this machine (see above)")
 
-    def xla(x, w, layout):
-        return xla_dense(x, w, "mk,nk->mn" if layout == "nk" else "mk,kn->mn")
+    # Every side as products of x with a group of weights, -> one output per weight.
+    def xla(x, ws, layout):
+        return tuple(xla_dense(x, w, "mk,nk->mn" if layout == "nk" else "mk,kn->mn") for w in ws)
 
-    def kernel(x, w, layout):
-        return dense_cpu.multiply(x, w, layout)
+    def kernel(x, ws, layout):
+        return dense_cpu.multiply_group(x, ws, layout)
+
+    def ungrouped(x, ws, layout):
+        return tuple(dense_cpu.multiply(x, w, layout) for w in ws)
 
     def build(flags_):
         target = dense_cpu.KERNEL.register(flags_)
-        return lambda x, w, layout: dense_cpu._call(x, (w,), layout, target)[0]
+        return lambda x, ws, layout: dense_cpu._call(x, ws, layout, target)
 
+    if set(layouts) - {"kn", "nk", "layer"}:
+        raise SystemExit(f"--layouts are kn, nk and layer, got {layouts}")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
@@ -70,13 +82,28 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
     def chain(product):
         def fn(x, weights):
             for up, down in weights:
-                hidden = jnp.tanh(product(x.astype(up.dtype), up, "kn"))
-                x = x + product(hidden.astype(down.dtype), down, "kn")
+                (hidden,) = product(x.astype(up.dtype), (up,), "kn")
+                (out,) = product(jnp.tanh(hidden).astype(down.dtype), (down,), "kn")
+                x = x + out
+            return x
+        return jax.jit(fn)
+
+    def layer_chain(product):
+        def fn(x, weights):
+            for q, k, v, o, gate, up, down in weights:
+                qo, ko, vo = product(x.astype(q.dtype), (q, k, v), "kn")
+                # A stand-in for attention that needs all three: no product may be skipped.
+                mixed = qo + 1e-3 * (ko.sum(-1, keepdims=True) + vo.sum(-1, keepdims=True))
+                (attn,) = product(jnp.tanh(mixed).astype(o.dtype), (o,), "kn")
+                x = x + attn
+                g, u = product(x.astype(gate.dtype), (gate, up), "kn")
+                (mlp,) = product((jax.nn.silu(g) * u).astype(down.dtype), (down,), "kn")
+                x = x + mlp
             return x
         return jax.jit(fn)
 
     def vocab(product):
-        return jax.jit(lambda x, w: product(x.astype(w.dtype), w, "nk"))
+        return jax.jit(lambda x, w: product(x.astype(w.dtype), (w,), "nk")[0])
 
     rng = np.random.default_rng(0)
     log = ResultLog(out)
@@ -94,6 +121,15 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                 programs = {name: chain(product) for name, product in builds.items()}
                 args = (weights,)
                 nbytes = layers * 2 * EMBED * FFN * dtype.itemsize
+            elif layout == "layer":
+                shapes = [(EMBED, EMBED), (EMBED, KV), (EMBED, KV), (EMBED, EMBED), (EMBED, FFN),
+                          (EMBED, FFN), (FFN, EMBED)]
+                weights = [tuple(weight(shape, shape[0] ** -0.5) for shape in shapes)
+                           for _ in range(layers)]
+                programs = {name: layer_chain(product) for name, product in
+                            {**builds, "kernel_ungrouped": ungrouped}.items()}
+                args = (weights,)
+                nbytes = layers * sum(a * b for a, b in shapes) * dtype.itemsize
             else:
                 weights = weight((VOCAB, EMBED), EMBED ** -0.5)
                 programs = {name: vocab(product) for name, product in builds.items()}
@@ -102,16 +138,18 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
             for m in map(int, rows):
                 x = jnp.asarray(rng.standard_normal((m, EMBED), np.float32))
                 row = {"experiment": "dense_cpu", "layout": layout, "dtype": dtype_name,
-                       "rows": m, "layers": layers if layout == "kn" else 1,
+                       "rows": m, "layers": 1 if layout == "nk" else layers,
                        "weight_mb": nbytes / 1e6, "calls": calls, "repeats": repeats}
                 for name, s in interleaved_medians(programs, (x, *args), repeats, calls).items():
                     ms = 1e3 * s
                     row[f"{name}_ms"] = ms
                     row[f"{name}_gb_s"] = nbytes / ms / 1e6
                 row["kernel_speedup"] = row["xla_ms"] / row["kernel_ms"]
-                for v in variants:  # > 1: the part turned off in that build is worth this
+                for v in [*variants, *(["kernel_ungrouped"] if layout == "layer" else [])]:
+                    # > 1: what the part that build leaves out is worth
                     row[f"{v}_over_kernel"] = row[f"{v}_ms"] / row["kernel_ms"]
-                row["dense_takes_kernel"] = m in dense_cpu.ROWS.get((layout, dtype), ())
+                row["dense_takes_kernel"] = m in dense_cpu.ROWS.get(
+                    ("kn" if layout == "layer" else layout, dtype), ())
                 log.append(row)
                 table.append(row)
             del weights
@@ -119,7 +157,9 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                                  ("kernel_ms", "kernel ms"), ("kernel_gb_s", "kernel GB/s"),
                                  ("xla_ms", "XLA ms"), ("xla_gb_s", "XLA GB/s"),
                                  ("kernel_speedup", "XLA / kernel"),
-                                 *[(f"{v}_over_kernel", f"{v} / kernel") for v in variants],
+                                 *[(f"{v}_over_kernel", f"{v} / kernel") for v in
+                                   [*variants, *(["kernel_ungrouped"] if "layer" in layouts
+                                                 else [])]],
                                  ("dense_takes_kernel", "dense uses the kernel")]))
     return table
 
