@@ -72,14 +72,16 @@ class SamplingArrays:
                              "request's seed once with SamplingParams.with_resolved_seed() first")
         pad = [SamplingParams(seed=0)] * (batch - len(params))
         rows = list(params) + pad
-        return SamplingArrays(
-            temperature=jnp.asarray([p.temperature for p in rows], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in rows], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in rows], jnp.float32),
-            seeds=jnp.asarray(np.asarray([p.seed for p in rows], np.uint32)),
-            allowed=None if allowed is None else jax.device_put(allowed),
+        # Built on the host and moved in one device_put: an eager jnp.asarray per field ran a
+        # conversion program of its own, four per engine step.
+        return jax.device_put(SamplingArrays(
+            temperature=np.asarray([p.temperature for p in rows], np.float32),
+            top_k=np.asarray([p.top_k for p in rows], np.int32),
+            top_p=np.asarray([p.top_p for p in rows], np.float32),
+            seeds=np.asarray([p.seed for p in rows], np.uint32),
+            allowed=allowed,
             num_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
-        )
+        ))
 
 
 def constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:

@@ -167,9 +167,8 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
         for i, seq in zip(row_of, pages):
             if seq.window is not None:
                 windows[i] = seq.window
-        windows = jax.device_put(windows)
-    # device_put, not jnp.asarray: that compiles a small copy program for each new shape.
-    return AttentionMetadata(
-        positions=jax.device_put(positions), lengths=jax.device_put(cached + q_lens),
-        q_lens=jax.device_put(q_lens),
-        page_tables=jax.device_put(page_tables(pages, rows, width, row_of)), windows=windows)
+    # One device_put of every array, not jnp.asarray: that compiles a small copy program for
+    # each new shape.
+    return jax.device_put(AttentionMetadata(
+        positions=positions, lengths=cached + q_lens, q_lens=q_lens,
+        page_tables=page_tables(pages, rows, width, row_of), windows=windows))

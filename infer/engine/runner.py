@@ -34,7 +34,7 @@ from infer.engine.request import TokenLogprob
 from infer.model.llama import Llama
 from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
-from infer.sampling_params import is_integer
+from infer.sampling_params import SamplingParams, is_integer
 from infer.spec.stats import SpeculationStats
 from infer.spec.tree_draft import TreeShape
 from infer.structured import fill_bitmask, mask_words
@@ -140,6 +140,9 @@ class Runner:
         # from the persistent cache) inside a user's step, and says so.
         self.ready: set[Shape] = set()
         self.times = StepTimes()  # the latest step's
+        # The last step's sampling arrays and the params they hold, reused while a batch's
+        # rows stay the same requests (every decode step of a steady batch).
+        self._last_sampling: tuple[int, tuple[SamplingParams, ...], SamplingArrays] | None = None
         # Across hosts, process 0's runner sends each step (and warm-up) here first, so that the
         # other processes run it too (`infer.parallel.distributed`); None on one host.
         self.mirror: Callable[..., object] | None = None
@@ -202,21 +205,30 @@ class Runner:
                               with_windows=self._with_windows)
         if feed is not None and feed.shape != (b,):
             raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
-        tok = feed if feed is not None else jax.device_put(tokens[:, 0] if t == 1 else tokens)
-        return tok, meta, self._sampling(seqs, b), jax.device_put(sample_index)
+        if feed is None:
+            tok, index = jax.device_put((tokens[:, 0] if t == 1 else tokens, sample_index))
+        else:
+            tok, index = feed, jax.device_put(sample_index)
+        return tok, meta, self._sampling(seqs, b), index
 
     def _sampling(self, seqs: Sequence[SeqState], rows: int) -> SamplingArrays:
         """The rows' sampling arrays; with a structured-output bitmask when some row is
         constrained, each such row's filled by its matcher (the others allow every token)."""
         constrained = [(i, s.request.constraint) for i, s in enumerate(seqs)
                        if s.request.constraint is not None]
-        allowed = None
-        if constrained:
+        params = tuple(s.request.params for s in seqs)
+        if constrained:  # the bitmask changes every step
             allowed = np.full((rows, mask_words(self.device_steps.config.vocab_size)), -1,
                               np.int32)
             fill_bitmask(constrained, allowed)
-        return SamplingArrays.from_params([s.request.params for s in seqs], batch=rows,
-                                          allowed=allowed)
+            return SamplingArrays.from_params(params, batch=rows, allowed=allowed)
+        last = self._last_sampling
+        if (last is not None and last[0] == rows and len(last[1]) == len(params)
+                and all(a is b for a, b in zip(last[1], params))):
+            return last[2]
+        arrays = SamplingArrays.from_params(params, batch=rows)
+        self._last_sampling = (rows, params, arrays)
+        return arrays
 
     def _host_logprobs(self, seqs: Sequence[SeqState], logprobs: SampleLogprobs | None
                        ) -> list[TokenLogprob | None] | None:
