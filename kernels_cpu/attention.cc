@@ -39,6 +39,9 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// Register arrays are indexed by loop counters; unrolled early, GCC keeps them in registers.
+#define UNROLL _Pragma("GCC unroll 16")
+
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }
@@ -75,110 +78,200 @@ struct Shape {
                                    // page size, table width
 };
 
-// One (row, KV head): its `group` query heads against the row's first `length` tokens. `scores`
-// holds group x length floats.
-template <typename Q, typename KV>
-void attend(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
-            int64_t length, const Shape& s, int64_t kv_head, float scale, float* scores,
-            float* out) {
+// Lane i of the result is the sum of the 16 lanes of v[i]: 16 dot products finished at once,
+// 45 shuffles and adds where one horizontal sum each took about as many per vector.
+inline __m512 sum16(const __m512 (&v)[kLanes]) {
+  __m512 w[8], x[4], y[2];
+  // Each 128-bit lane of w[i]: v[2i] and v[2i+1] halved, interleaved (a, b, a, b).
+  UNROLL for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  // Each 128-bit lane of x[i]: that lane's sums of v[4i], ..., v[4i + 3].
+  UNROLL for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Then the four 128-bit lanes added, two at a time.
+  UNROLL for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Per-thread scratch of one (row, KV head).
+struct Scratch {
+  std::vector<int64_t> offsets;  // [tokens] where each visible token sits in the pages
+  std::vector<float> queries;    // [queries, VEC * 16] scaled, zero-padded
+  std::vector<float> scores;     // [queries, tokens rounded up to 16]
+  std::vector<int64_t> seen;     // [queries] tokens each query sees
+  std::vector<float> inverse;    // [queries] 1 / the total of each query's weights
+};
+
+// One (row, KV head): all its queries (T new tokens x `group` query heads, query i = t * group
+// + g) against the row's visible tokens, each key and value read from the pages once for all
+// of them. VEC = vectors of 16 lanes in a head (D <= 16 VEC). Queries that see fewer tokens
+// (earlier new tokens) skip the rest: a slot past what a query sees is never multiplied into
+// its output, so an unused slot's contents (NaN in the tests) cannot leak.
+template <int VEC, typename Q, typename KV>
+void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
+                int64_t start, int64_t valid, const Shape& s, int64_t kv_head, float scale,
+                Scratch& w, float* out) {
   const int64_t group = s.H / s.K;
-  const int64_t vectors = (s.D + kLanes - 1) / kLanes;
-  // The group's queries as float32, scaled once, each padded to whole vectors with zeros.
-  thread_local std::vector<float> queries;
-  queries.resize(group * vectors * kLanes);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t j = 0; j < vectors; ++j)
-      _mm512_storeu_ps(queries.data() + (g * vectors + j) * kLanes,
-                       _mm512_mul_ps(load(q + (kv_head * group + g) * s.D + j * kLanes,
-                                          tail_mask(s.D - j * kLanes)),
-                                     _mm512_set1_ps(scale)));
-  auto query = [&](int64_t g, int64_t j) {
-    return _mm512_loadu_ps(queries.data() + (g * vectors + j) * kLanes);
+  const int64_t nq = s.T * group;
+  const __mmask16 tail = tail_mask(s.D - (VEC - 1) * kLanes);
+  auto mask = [&](int j) { return j == VEC - 1 ? tail : __mmask16(0xFFFF); };
+  // Tokens each query sees (a padding query: slot 0), and the most any does.
+  w.seen.resize(nq);
+  int64_t tokens = 1;
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t seen = t < valid ? std::clamp<int64_t>(start + t + 1, 1, s.n * s.G) : 1;
+    for (int64_t g = 0; g < group; ++g) w.seen[t * group + g] = seen;
+    tokens = std::max(tokens, seen);
+  }
+  const int64_t padded = (tokens + kLanes - 1) / kLanes * kLanes;
+  // Every token's place, looked up once; the padding past `tokens` repeats token 0, which
+  // every row has (its scores are dropped).
+  w.offsets.resize(padded);
+  for (int64_t i = 0, slot = 0; i < tokens; ++slot) {
+    const int64_t page = std::clamp<int64_t>(table[slot], 0, s.P - 1);
+    const int64_t base = (page * s.K + kv_head) * s.G * s.D;
+    for (int64_t u = 0; u < s.G && i < tokens; ++u, ++i) w.offsets[i] = base + u * s.D;
+  }
+  std::fill(w.offsets.begin() + tokens, w.offsets.end(), w.offsets[0]);
+  w.queries.resize(nq * VEC * kLanes);
+  for (int64_t t = 0; t < s.T; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      UNROLL for (int j = 0; j < VEC; ++j)
+        _mm512_storeu_ps(w.queries.data() + ((t * group + g) * VEC + j) * kLanes,
+                         _mm512_mul_ps(load(q + (t * s.H + kv_head * group + g) * s.D
+                                              + j * kLanes, mask(j)),
+                                       _mm512_set1_ps(scale)));
+  // Scores, 16 tokens at a time: the tokens' keys stay in L1 while each query takes them.
+  // A row's tokens sit a page at a time at scattered places, where the hardware's prefetchers
+  // stop: the next tokens' keys and values are fetched ahead by hand.
+  constexpr int64_t kLines = (VEC * kLanes * int64_t(sizeof(KV)) + 63) / 64;  // lines a token
+  auto fetch = [&](const KV* pages, int64_t t) {
+    const char* line = reinterpret_cast<const char*>(pages + w.offsets[t]);
+    UNROLL for (int64_t l = 0; l < kLines; ++l) _mm_prefetch(line + 64 * l, _MM_HINT_T0);
   };
-  auto token = [&](const KV* pages, int64_t t) {
-    const int64_t page = std::clamp<int64_t>(table[t / s.G], 0, s.P - 1);
-    return pages + ((page * s.K + kv_head) * s.G + t % s.G) * s.D;
-  };
-  // Scores, each a dot product over D.
-  for (int64_t t = 0; t < length; ++t) {
-    const KV* key = token(k_pages, t);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < vectors; ++j)
-        acc = _mm512_fmadd_ps(query(g, j),
-                              load(key + j * kLanes, tail_mask(s.D - j * kLanes)), acc);
-      scores[g * length + t] = _mm512_reduce_add_ps(acc);
+  for (int64_t t = 0; t < std::min<int64_t>(padded, kLanes); ++t) fetch(k_pages, t);
+  w.scores.resize(nq * padded);
+  for (int64_t c = 0; c < padded; c += kLanes) {
+    for (int64_t t = c + kLanes; t < std::min(padded, c + 2 * kLanes); ++t) fetch(k_pages, t);
+    for (int64_t t = c; t < std::min(tokens, c + kLanes); ++t) fetch(v_pages, t);
+    for (int64_t i = 0; i < nq; ++i) {
+      __m512 qv[VEC];
+      UNROLL for (int j = 0; j < VEC; ++j) qv[j] = _mm512_loadu_ps(w.queries.data() + (i * VEC + j) * kLanes);
+      __m512 acc[kLanes];
+      UNROLL for (int u = 0; u < kLanes; ++u) {
+        const KV* key = k_pages + w.offsets[c + u];
+        __m512 a = _mm512_mul_ps(qv[0], load(key, mask(0)));
+        UNROLL for (int j = 1; j < VEC; ++j) a = _mm512_fmadd_ps(qv[j], load(key + j * kLanes, mask(j)), a);
+        acc[u] = a;
+      }
+      _mm512_storeu_ps(w.scores.data() + i * padded + c, sum16(acc));
     }
   }
-  // Softmax per query head, then the values weighted by it.
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * length;
-    float peak = -INFINITY;
-    for (int64_t t = 0; t < length; ++t) peak = std::max(peak, row[t]);
+  // Softmax weights per query over the tokens it sees, left unnormalized: the sum of the
+  // values is divided by their total once.
+  w.inverse.resize(nq);
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = w.scores.data() + i * padded;
+    const int64_t seen = w.seen[i];
+    __m512 peak = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < seen; t += kLanes)
+      peak = _mm512_mask_max_ps(peak, tail_mask(seen - t), peak, _mm512_loadu_ps(row + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; t += kLanes) {
-      const __mmask16 mask = tail_mask(length - t);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t),
-                                           _mm512_set1_ps(peak)));
-      _mm512_mask_storeu_ps(row + t, mask, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    for (int64_t t = 0; t < seen; t += kLanes) {
+      const __mmask16 m = tail_mask(seen - t);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), top)));
+      _mm512_storeu_ps(row + t, e);
+      total = _mm512_add_ps(total, e);
     }
-    const float inverse = 1.0f / _mm512_reduce_add_ps(total);
-    for (int64_t t = 0; t < length; ++t) row[t] *= inverse;
+    w.inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t j = 0; j < vectors; ++j) {
-      const __mmask16 mask = tail_mask(s.D - j * kLanes);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t t = 0; t < length; ++t)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * length + t]),
-                              load(token(v_pages, t) + j * kLanes, mask), acc);
-      _mm512_mask_storeu_ps(out + (kv_head * group + g) * s.D + j * kLanes, mask, acc);
+  // Values: each token's read once for a set of queries whose sums stay in registers.
+  constexpr int kSet = VEC >= 24 ? 1 : 24 / VEC;
+  for (int64_t i0 = 0; i0 < nq; i0 += kSet) {
+    const int64_t count = std::min<int64_t>(kSet, nq - i0);
+    int64_t fewest = tokens;
+    for (int64_t i = i0; i < i0 + count; ++i) fewest = std::min(fewest, w.seen[i]);
+    __m512 acc[kSet][VEC];
+    UNROLL for (int r = 0; r < kSet; ++r)
+      UNROLL for (int j = 0; j < VEC; ++j) acc[r][j] = _mm512_setzero_ps();
+    auto add_token = [&](int64_t t, bool every) {
+      if (t + kLanes < tokens) fetch(v_pages, t + kLanes);
+      const KV* value = v_pages + w.offsets[t];
+      __m512 vv[VEC];
+      UNROLL for (int j = 0; j < VEC; ++j) vv[j] = load(value + j * kLanes, mask(j));
+      UNROLL for (int r = 0; r < kSet; ++r) {
+        if (r >= count || (!every && t >= w.seen[i0 + r])) continue;
+        const __m512 p = _mm512_set1_ps(w.scores[(i0 + r) * padded + t]);
+        UNROLL for (int j = 0; j < VEC; ++j) acc[r][j] = _mm512_fmadd_ps(p, vv[j], acc[r][j]);
+      }
+    };
+    for (int64_t t = 0; t < fewest; ++t) add_token(t, true);
+    for (int64_t t = fewest; t < tokens; ++t) add_token(t, false);
+    UNROLL for (int r = 0; r < count; ++r) {
+      const int64_t i = i0 + r, t = i / group, g = i % group;
+      float* o = out + (t * s.H + kv_head * group + g) * s.D;
+      UNROLL for (int j = 0; j < VEC; ++j)
+        _mm512_mask_storeu_ps(o + j * kLanes, mask(j),
+                              _mm512_mul_ps(acc[r][j], _mm512_set1_ps(w.inverse[i])));
     }
   }
 }
 
-template <typename Q, typename KV>
+template <int VEC, typename Q, typename KV>
 void attend_all(ffi::ThreadPool& pool, const Q* q, const KV* k_pages, const KV* v_pages,
                 const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
                 const Shape& s, float scale, float* out) {
-  const int64_t group = s.H / s.K;
   // Units are (row, KV head) pairs; four chunks a thread even out threads that start late.
   infer_cpu::run_in_chunks(pool, s.B * s.K, 4 * pool.num_threads(), [&](int64_t first,
                                                                         int64_t last) {
-    std::vector<float> scores;
+    thread_local Scratch scratch;
     for (int64_t u = first; u < last; ++u) {
       const int64_t b = u / s.K, kv_head = u % s.K;
-      const int64_t start = int64_t(lengths[b]) - q_lens[b];
-      for (int64_t t = 0; t < s.T; ++t) {
-        // Tokens this query sees, within the row's table; a padding query reads slot 0.
-        const int64_t seen =
-            t < q_lens[b] ? std::clamp<int64_t>(start + t + 1, 1, s.n * s.G) : 1;
-        scores.resize(group * seen);
-        const int64_t at = (b * s.T + t) * s.H * s.D;
-        attend(q + at, k_pages, v_pages, tables + b * s.n, seen, s, kv_head, scale,
-               scores.data(), out + at);
-      }
+      const int64_t at = b * s.T * s.H * s.D;
+      attend_row<VEC>(q + at, k_pages, v_pages, tables + b * s.n,
+                      int64_t(lengths[b]) - q_lens[b], q_lens[b], s, kv_head, scale, scratch,
+                      out + at);
     }
   });
+}
+
+// Head dims up to 16 vectors (256), each a register count of its own.
+template <typename Q, typename KV>
+ffi::Error attend_dims(ffi::ThreadPool& pool, const Q* q, const KV* k_pages, const KV* v_pages,
+                       const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
+                       const Shape& s, float scale, float* out) {
+  switch ((s.D + kLanes - 1) / kLanes) {
+#define INFER_ATTEND_DIMS(V) \
+  case V: attend_all<V>(pool, q, k_pages, v_pages, lengths, q_lens, tables, s, scale, out); break;
+    INFER_ATTEND_DIMS(1) INFER_ATTEND_DIMS(2) INFER_ATTEND_DIMS(3) INFER_ATTEND_DIMS(4)
+    INFER_ATTEND_DIMS(5) INFER_ATTEND_DIMS(6) INFER_ATTEND_DIMS(7) INFER_ATTEND_DIMS(8)
+    INFER_ATTEND_DIMS(9) INFER_ATTEND_DIMS(10) INFER_ATTEND_DIMS(11) INFER_ATTEND_DIMS(12)
+    INFER_ATTEND_DIMS(13) INFER_ATTEND_DIMS(14) INFER_ATTEND_DIMS(15) INFER_ATTEND_DIMS(16)
+#undef INFER_ATTEND_DIMS
+    default:
+      return ffi::Error::InvalidArgument("paged_attention_cpu: head dims above 256");
+  }
+  return ffi::Error::Success();
 }
 
 template <typename Q>
 ffi::Error dispatch_pages(ffi::ThreadPool& pool, const Q* q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
                           const Shape& s, float scale, float* out) {
-  if (k.element_type() == ffi::DataType::F32) {
-    attend_all(pool, q, static_cast<const float*>(k.untyped_data()),
-               static_cast<const float*>(v.untyped_data()), lengths, q_lens, tables, s, scale,
-               out);
-    return ffi::Error::Success();
-  }
-  if (k.element_type() == ffi::DataType::BF16) {
-    attend_all(pool, q, static_cast<const uint16_t*>(k.untyped_data()),
-               static_cast<const uint16_t*>(v.untyped_data()), lengths, q_lens, tables, s, scale,
-               out);
-    return ffi::Error::Success();
-  }
+  if (k.element_type() == ffi::DataType::F32)
+    return attend_dims(pool, q, static_cast<const float*>(k.untyped_data()),
+                       static_cast<const float*>(v.untyped_data()), lengths, q_lens, tables, s,
+                       scale, out);
+  if (k.element_type() == ffi::DataType::BF16)
+    return attend_dims(pool, q, static_cast<const uint16_t*>(k.untyped_data()),
+                       static_cast<const uint16_t*>(v.untyped_data()), lengths, q_lens, tables,
+                       s, scale, out);
   return ffi::Error::InvalidArgument("paged_attention_cpu: pages must be float32 or bfloat16");
 }
 
