@@ -10,7 +10,7 @@ values once, from their pages.
 `infer.cache.paged.PagedKVCache` hands it steps of up to MAX_QUERIES new tokens a row in causal
 order (no tree mask) over float32 and bfloat16 caches on CPU; everything else, prefill chunks
 included, keeps the masked attention of `infer.cache.attention`, which `reference` is. Built on
-first use (`kernels_cpu.build`).
+first use (`kernels_cpu.build`). `python -m experiments.attention_cpu` times the two.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from kernels_cpu.build import Kernel
 KERNEL = Kernel(Path(__file__).with_name("attention.cc"), "InferPagedAttentionCpu",
                 "infer_paged_attention_cpu")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# New tokens a row up to which the kernel runs: it scores each query on its own (a dot product
-# per visible token), which suits decode and verify steps, not prefill chunks, whose products
-# are matrix multiplies.
+# New tokens a row up to which the kernel runs: it scores every query of a row against each
+# 16 visible tokens with vector dot products, which suits decode and verify steps, not prefill
+# chunks, whose products are matrix multiplies.
 MAX_QUERIES = 16
 
 
