@@ -161,12 +161,14 @@ void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t*
     for (int64_t t = c; t < std::min(tokens, c + kLanes); ++t) fetch(v_pages, t);
     for (int64_t i = 0; i < nq; ++i) {
       __m512 qv[VEC];
-      UNROLL for (int j = 0; j < VEC; ++j) qv[j] = _mm512_loadu_ps(w.queries.data() + (i * VEC + j) * kLanes);
+      UNROLL for (int j = 0; j < VEC; ++j)
+        qv[j] = _mm512_loadu_ps(w.queries.data() + (i * VEC + j) * kLanes);
       __m512 acc[kLanes];
       UNROLL for (int u = 0; u < kLanes; ++u) {
         const KV* key = k_pages + w.offsets[c + u];
         __m512 a = _mm512_mul_ps(qv[0], load(key, mask(0)));
-        UNROLL for (int j = 1; j < VEC; ++j) a = _mm512_fmadd_ps(qv[j], load(key + j * kLanes, mask(j)), a);
+        UNROLL for (int j = 1; j < VEC; ++j)
+          a = _mm512_fmadd_ps(qv[j], load(key + j * kLanes, mask(j)), a);
         acc[u] = a;
       }
       _mm512_storeu_ps(w.scores.data() + i * padded + c, sum16(acc));
