@@ -663,9 +663,12 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
   // into it only while this call waits for them).
   thread_local std::vector<float> scratch;
   if (int64_t(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
-  for (int64_t i = 0, offset = 0; split == Split::kKnBlocks && i < int64_t(products.size()); ++i) {
-    products[i].partials = scratch.data() + offset;
-    offset += products[i].units * M * products[i].o.ldp;
+  if (split == Split::kKnBlocks) {
+    float* partials = scratch.data();
+    for (Product<T>& p : products) {
+      p.partials = partials;
+      partials += p.units * M * p.o.ldp;
+    }
   }
   // Rows of "nk" and strips: four chunks a thread even out threads that start late. "kn"
   // blocks are chunks. Small weights stay on the calling thread.

@@ -50,14 +50,11 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     faster (its ROWS table: up to 128 rows with [in, out] weights, up to 32 with the [N, K]
     vocabulary projection) go to that kernel, unless a mesh is active. The rest is `xla_dense`.
     Accelerators are not affected."""
-    x = x.astype(w.dtype)
-    num_rows = math.prod(x.shape[:-1])
-    layout = _weight_layout(equation)
-    if (layout is not None and jax.sharding.get_abstract_mesh().empty
-            and dense_cpu.takes(num_rows, w, layout)):
-        out = dense_cpu.multiply(x.reshape(num_rows, x.shape[-1]), w, layout)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    return xla_dense(x, w, equation)
+    layout = _kernel_layout(x, w, equation)
+    if layout is None:
+        return xla_dense(x, w, equation)
+    (out,) = _kernel_products(x, (w,), layout)
+    return out
 
 
 def dense_group(x: jax.Array, weights: tuple[jax.Array, ...], equation: str
@@ -68,15 +65,28 @@ def dense_group(x: jax.Array, weights: tuple[jax.Array, ...], equation: str
     splits them between the threads as one piece of work: one hand-off to the pool instead of
     three, and SmolLM2's key and value weights, too small to be split on their own, share both
     threads (README, "Grouped products"). The values are `dense`'s, bit for bit."""
-    x = x.astype(weights[0].dtype)
-    num_rows = math.prod(x.shape[:-1])
-    layout = _weight_layout(equation)
-    if (layout is not None and len({w.dtype for w in weights}) == 1
-            and jax.sharding.get_abstract_mesh().empty
-            and all(dense_cpu.takes(num_rows, w, layout) for w in weights)):
-        outs = dense_cpu.multiply_group(x.reshape(num_rows, x.shape[-1]), weights, layout)
-        return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
+    layouts = {_kernel_layout(x, w, equation) for w in weights}
+    if len(layouts) == 1 and None not in layouts and len({w.dtype for w in weights}) == 1:
+        return _kernel_products(x, weights, layouts.pop())
     return tuple(dense(x, w, equation) for w in weights)
+
+
+def _kernel_layout(x: jax.Array, w: jax.Array, equation: str) -> str | None:
+    """The layout ("kn" or "nk") under which `kernels_cpu.dense` should run x times w, or None
+    when XLA should: another contraction, a mesh active, or a product outside its ROWS."""
+    layout = _weight_layout(equation)
+    if (layout is not None and jax.sharding.get_abstract_mesh().empty
+            and dense_cpu.takes(math.prod(x.shape[:-1]), w, layout)):
+        return layout
+    return None
+
+
+def _kernel_products(x: jax.Array, weights: tuple[jax.Array, ...], layout: str
+                     ) -> tuple[jax.Array, ...]:
+    """x [..., K] times each weight by the CPU kernel, in one call -> [..., N_i] each."""
+    rows = x.astype(weights[0].dtype).reshape(-1, x.shape[-1])
+    outs = dense_cpu.multiply_group(rows, weights, layout)
+    return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
 
 
 def xla_dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
