@@ -158,7 +158,6 @@ void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t*
   w.scores.resize(nq * padded);
   for (int64_t c = 0; c < padded; c += kLanes) {
     for (int64_t t = c + kLanes; t < std::min(padded, c + 2 * kLanes); ++t) fetch(k_pages, t);
-    for (int64_t t = c; t < std::min(tokens, c + kLanes); ++t) fetch(v_pages, t);
     for (int64_t i = 0; i < nq; ++i) {
       __m512 qv[VEC];
       UNROLL for (int j = 0; j < VEC; ++j)
@@ -194,6 +193,7 @@ void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t*
     w.inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
   }
   // Values: each token's read once for a set of queries whose sums stay in registers.
+  for (int64_t t = 0; t < std::min<int64_t>(tokens, kLanes); ++t) fetch(v_pages, t);
   constexpr int kSet = VEC >= 24 ? 1 : 24 / VEC;
   for (int64_t i0 = 0; i0 < nq; i0 += kSet) {
     const int64_t count = std::min<int64_t>(kSet, nq - i0);
