@@ -1,11 +1,14 @@
-// Attention over a paged KV cache for steps of a few query tokens a row (decode, verify), on
-// CPU, reading each row's keys and values straight from its pages.
+// Attention over a paged KV cache on CPU (decode and verify steps, prefill chunks), reading each
+// row's keys and values straight from its pages.
 //
 // XLA's path gathers every row's pages of the attention window into a contiguous [B, K, S, D]
 // copy, masks the slots each query may not see and multiplies; its scores product (q k^T,
 // contracting the keys' minor dim) ran at 4 GB/s and a batch-32 float32 decode step spent a
 // quarter of its time there. Here each (row, KV head) reads only the tokens its queries see, in
 // place, once for all of its queries (`python -m experiments.attention_cpu` times the two).
+// A prefill chunk's new tokens are taken kQueryBlock at a time, each block a unit of work that
+// reads only the tokens its last query sees: the causal triangle is skipped a block at a time,
+// and a one-row chunk still splits between threads.
 //
 //   out[b, t, h] = sum_s softmax_s(scale * q[b, t, h] . k[b, s]) v[b, s],  s < seen(b, t)
 //
@@ -107,25 +110,29 @@ struct Scratch {
   std::vector<float> inverse;    // [queries] 1 / the total of each query's weights
 };
 
-// One (row, KV head): all its queries (T new tokens x `group` query heads, query i = t * group
-// + g) against the row's visible tokens, each key and value read from the pages once for all
-// of them. VEC = vectors of 16 lanes in a head (D <= 16 VEC). Queries that see fewer tokens
+// New tokens of a row taken together as one unit of work (a decode step, a verify step of up to
+// 15 drafts: one block a row).
+constexpr int64_t kQueryBlock = 16;
+
+// One (row, KV head) and new tokens [t0, t1): their queries ((t1 - t0) tokens x `group` query
+// heads, query i = (t - t0) * group + g) against the row's tokens they see, each key and value
+// read from the pages once for all of them. VEC = vectors of 16 lanes in a head (D <= 16 VEC). Queries that see fewer tokens
 // (earlier new tokens) skip the rest: a slot past what a query sees is never multiplied into
 // its output, so an unused slot's contents (NaN in the tests) cannot leak.
 template <int VEC, typename Q, typename KV>
 void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
-                int64_t start, int64_t valid, const Shape& s, int64_t kv_head, float scale,
-                Scratch& w, float* out) {
+                int64_t start, int64_t valid, const Shape& s, int64_t kv_head, int64_t t0,
+                int64_t t1, float scale, Scratch& w, float* out) {
   const int64_t group = s.H / s.K;
-  const int64_t nq = s.T * group;
+  const int64_t nq = (t1 - t0) * group;
   const __mmask16 tail = tail_mask(s.D - (VEC - 1) * kLanes);
   auto mask = [&](int j) { return j == VEC - 1 ? tail : __mmask16(0xFFFF); };
   // Tokens each query sees (a padding query: slot 0), and the most any does.
   w.seen.resize(nq);
   int64_t tokens = 1;
-  for (int64_t t = 0; t < s.T; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t seen = t < valid ? std::clamp<int64_t>(start + t + 1, 1, s.n * s.G) : 1;
-    for (int64_t g = 0; g < group; ++g) w.seen[t * group + g] = seen;
+    for (int64_t g = 0; g < group; ++g) w.seen[(t - t0) * group + g] = seen;
     tokens = std::max(tokens, seen);
   }
   const int64_t padded = (tokens + kLanes - 1) / kLanes * kLanes;
@@ -139,10 +146,10 @@ void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t*
   }
   std::fill(w.offsets.begin() + tokens, w.offsets.end(), w.offsets[0]);
   w.queries.resize(nq * VEC * kLanes);
-  for (int64_t t = 0; t < s.T; ++t)
+  for (int64_t t = t0; t < t1; ++t)
     for (int64_t g = 0; g < group; ++g)
       UNROLL for (int j = 0; j < VEC; ++j)
-        _mm512_storeu_ps(w.queries.data() + ((t * group + g) * VEC + j) * kLanes,
+        _mm512_storeu_ps(w.queries.data() + (((t - t0) * group + g) * VEC + j) * kLanes,
                          _mm512_mul_ps(load(q + (t * s.H + kv_head * group + g) * s.D
                                               + j * kLanes, mask(j)),
                                        _mm512_set1_ps(scale)));
@@ -216,7 +223,7 @@ void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t*
     for (int64_t t = 0; t < fewest; ++t) add_token(t, true);
     for (int64_t t = fewest; t < tokens; ++t) add_token(t, false);
     UNROLL for (int r = 0; r < count; ++r) {
-      const int64_t i = i0 + r, t = i / group, g = i % group;
+      const int64_t i = i0 + r, t = t0 + i / group, g = i % group;
       float* o = out + (t * s.H + kv_head * group + g) * s.D;
       UNROLL for (int j = 0; j < VEC; ++j)
         _mm512_mask_storeu_ps(o + j * kLanes, mask(j),
@@ -229,16 +236,21 @@ template <int VEC, typename Q, typename KV>
 void attend_all(ffi::ThreadPool& pool, const Q* q, const KV* k_pages, const KV* v_pages,
                 const int32_t* lengths, const int32_t* q_lens, const int32_t* tables,
                 const Shape& s, float scale, float* out) {
-  // Units are (row, KV head) pairs; four chunks a thread even out threads that start late.
-  infer_cpu::run_in_chunks(pool, s.B * s.K, 4 * pool.num_threads(), [&](int64_t first,
-                                                                        int64_t last) {
+  // Units are (query block, row, KV head), the last blocks (which see the most tokens) first so
+  // that the cheap ones even out the threads at the end; four chunks a thread even out threads
+  // that start late.
+  const int64_t blocks = (s.T + kQueryBlock - 1) / kQueryBlock;
+  infer_cpu::run_in_chunks(pool, blocks * s.B * s.K, 4 * pool.num_threads(),
+                           [&](int64_t first, int64_t last) {
     thread_local Scratch scratch;
     for (int64_t u = first; u < last; ++u) {
-      const int64_t b = u / s.K, kv_head = u % s.K;
+      const int64_t block = blocks - 1 - u / (s.B * s.K);
+      const int64_t b = u % (s.B * s.K) / s.K, kv_head = u % s.K;
       const int64_t at = b * s.T * s.H * s.D;
+      const int64_t t0 = block * kQueryBlock, t1 = std::min(s.T, t0 + kQueryBlock);
       attend_row<VEC>(q + at, k_pages, v_pages, tables + b * s.n,
-                      int64_t(lengths[b]) - q_lens[b], q_lens[b], s, kv_head, scale, scratch,
-                      out + at);
+                      int64_t(lengths[b]) - q_lens[b], q_lens[b], s, kv_head, t0, t1, scale,
+                      scratch, out + at);
     }
   });
 }

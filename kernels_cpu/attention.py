@@ -1,16 +1,18 @@
-"""Attention over the paged KV cache on CPU for steps of a few query tokens a row (decode and
-verify steps; XLA FFI custom call, `attention.cc`).
+"""Attention over the paged KV cache on CPU: decode and verify steps and prefill chunks (XLA FFI
+custom call, `attention.cc`).
 
 Why: XLA's path gathers every row's pages of the attention window into a contiguous copy, masks
 the slots each query may not see and multiplies, and its scores product (contracting the keys'
 minor dim) read keys at about 4 GB/s on the development machine: a quarter of a batch-32 float32
 decode step (`python -m experiments.profile_step`). The kernel reads each row's visible keys and
-values once, from their pages.
+values once, from their pages; a prefill chunk's new tokens go kQueryBlock (16) at a time, each
+block reading only the tokens its last query sees, so the causal triangle is skipped and one
+row's chunk splits between the threads.
 
-`infer.cache.paged.PagedKVCache` hands it steps of up to MAX_QUERIES new tokens a row in causal
-order (no tree mask) over float32 and bfloat16 caches on CPU; everything else, prefill chunks
-included, keeps the masked attention of `infer.cache.attention`, which `reference` is. Built on
-first use (`kernels_cpu.build`). `python -m experiments.attention_cpu` times the two.
+`infer.cache.paged.PagedKVCache` hands it every step without a tree mask over float32 and
+bfloat16 caches on CPU; tree verification and the quantized formats keep the masked attention
+of `infer.cache.attention`, which `reference` is. Built on first use (`kernels_cpu.build`).
+`python -m experiments.attention_cpu` times the two.
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ from kernels_cpu.build import Kernel
 KERNEL = Kernel(Path(__file__).with_name("attention.cc"), "InferPagedAttentionCpu",
                 "infer_paged_attention_cpu")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# New tokens a row up to which the kernel runs: it scores every query of a row against each
-# 16 visible tokens with vector dot products, which suits decode and verify steps, not prefill
-# chunks, whose products are matrix multiplies.
-MAX_QUERIES = 16
 
 
 def available() -> bool:
@@ -38,9 +36,9 @@ def available() -> bool:
 
 
 def takes(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether the kernel should run this step: q [B, T, H, D] with T <= MAX_QUERIES, float32
-    or bfloat16 queries and pages, on CPU, and the kernel available."""
-    return (q.ndim == 4 and q.shape[1] <= MAX_QUERIES and jnp.dtype(q.dtype) in DTYPES
+    """Whether the kernel should run this step: q [B, T, H, D], float32 or bfloat16 queries and
+    pages, on CPU, and the kernel available."""
+    return (q.ndim == 4 and jnp.dtype(q.dtype) in DTYPES
             and jnp.dtype(k_pages.dtype) in DTYPES and jax.default_backend() == "cpu"
             and available())
 

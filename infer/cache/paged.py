@@ -10,9 +10,9 @@ row of `meta.page_tables`, and new tokens are written through the slot mapping
 
 Attention backends:
   reference  gather the row's pages into head-major `[B, K, n*G, D]`, dequantize, and run the same
-             masked attention as the contiguous cache (plain XLA); on CPU, decode and verify
-             steps (up to 16 new tokens a row, no tree mask) of float32 and bfloat16 caches go
-             to `kernels_cpu.attention`, which reads each row's visible tokens in place
+             masked attention as the contiguous cache (plain XLA); on CPU, steps without a
+             tree mask (decode, verify, prefill chunks) over float32 and bfloat16 caches go to
+             `kernels_cpu.attention`, which reads each row's visible tokens in place
   pallas     the Pallas kernels of `kernels_pallas` (compiled on GPU/TPU, interpreted on CPU)
 """
 
@@ -315,7 +315,7 @@ class PagedKVCache(WriteThenAttend):
         k_pages, v_pages, k_scales, v_scales = pools
         if (meta.tree_mask is None and k_scales is None
                 and jax.sharding.get_abstract_mesh().empty and cpu_attention.takes(q, k_pages)):
-            # A decode or verify step on CPU: each row's visible tokens read in place.
+            # On CPU each row's visible tokens are read in place.
             return cpu_attention.attend(q, k_pages, v_pages, meta.lengths, meta.q_lens,
                                         meta.page_tables)
         # Dequantized straight into the dtype attention computes in: one pass over the pages.

@@ -1,8 +1,9 @@
 """The CPU paged attention kernel (kernels_cpu/attention.cc) against its jnp reference: random
-shapes (head dims off the 16-lane vector, grouped and ungrouped heads, page sizes 1-16, 1-16
-new tokens a row with padding queries), permuted page tables, lengths at every boundary (0, 1,
-a page +- 1, the table's end), pages no visible token uses filled with NaN, both dtypes of
-queries and pages; the paged cache handing it decode and verify steps; errors.
+shapes (head dims off the 16-lane vector, grouped and ungrouped heads, page sizes 1-16, 1 to
+48 new tokens a row with padding queries: decode, verify and prefill steps, on either side of
+the kernel's 16-token query blocks), permuted page tables, lengths at every boundary (0, 1, a
+page +- 1, the table's end), pages no visible token uses filled with NaN, both dtypes of
+queries and pages; the paged cache handing it every step without a tree mask; errors.
 
 The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
 the paged cache keeps the masked attention (tests/cache covers that path)."""
@@ -32,9 +33,9 @@ def _case(rng: np.random.Generator, q_dtype, kv_dtype):
     heads = kv_heads * int(rng.choice([1, 3, 4]))
     d = int(rng.choice([8, 16, 40, 64, 80]))
     g = int(rng.choice([1, 4, 16]))
-    n = int(rng.integers(1, 6))
+    n = int(rng.integers(1, 7))
     pages = b * n + 2
-    t = int(rng.choice([1, 1, 2, 5, cpu_attention.MAX_QUERIES]))
+    t = int(rng.choice([1, 1, 2, 5, 15, 16, 17, 32, 33, 48]))
     q_lens = rng.integers(0, t + 1, size=b).astype(np.int32)
     q_lens[0] = t
     # Lengths at the boundaries: none, one, a page and either side of it, the table's end.
@@ -86,10 +87,10 @@ def test_a_large_softmax_range_stays_exact() -> None:
                                rtol=1e-4, atol=1e-4)
 
 
-def test_the_paged_cache_hands_decode_and_verify_steps_to_the_kernel() -> None:
-    """Decode and verify steps of a float32 or bfloat16 paged cache (reference backend) lower
-    to the kernel, a longer prefill chunk to the masked attention, and all give the masked
-    attention's values."""
+def test_the_paged_cache_hands_every_step_without_a_tree_mask_to_the_kernel() -> None:
+    """Decode, verify and prefill steps of a float32 or bfloat16 paged cache (reference backend)
+    lower to the kernel and give the masked attention's values; a step with a tree mask keeps
+    the masked attention."""
     from infer.cache import attention
     from infer.cache.metadata import AttentionMetadata
     from infer.cache.paged import PagedKVCache
@@ -101,15 +102,17 @@ def test_the_paged_cache_hands_decode_and_verify_steps_to_the_kernel() -> None:
         v = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
         cache = dataclasses.replace(cache, k=(k[0],), v=(v[0],))
         table = jnp.asarray([[3, 1, 7, 0, 4, 6], [2, 8, 5, 0, 0, 0]], jnp.int32)
-        for t in (1, 3, cpu_attention.MAX_QUERIES + 1):
+        for t, tree in ((1, False), (3, False), (17, False), (20, False), (3, True)):
             lengths = jnp.asarray([t + 4, t], jnp.int32)
+            # A chain as a tree: each node sees itself and the nodes before it.
+            tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (2, t, t))
             meta = AttentionMetadata(positions=lengths[:, None] - t + jnp.arange(t)[None],
                                      lengths=lengths, q_lens=jnp.full((2,), t, jnp.int32),
-                                     page_tables=table)
+                                     page_tables=table, tree_mask=tree_mask if tree else None)
             q = jnp.asarray(rng.standard_normal((2, t, 4, 16)).astype(np.float32)).astype(dtype)
             attend = jax.jit(lambda q, cache, meta: cache.attend(0, q, meta))
             text = attend.lower(q, cache, meta).as_text()
-            assert (cpu_attention.KERNEL.target in text) == (t <= cpu_attention.MAX_QUERIES), (dtype, t)
+            assert (cpu_attention.KERNEL.target in text) == (not tree), (dtype, t, tree)
             keys = cache._gather(k[0], None, table, jnp.float32)
             values = cache._gather(v[0], None, table, jnp.float32)
             want = attention.masked_attention(q, keys, values,
