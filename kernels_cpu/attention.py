@@ -36,11 +36,15 @@ def available() -> bool:
 
 
 def takes(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether the kernel should run this step: q [B, T, H, D], float32 or bfloat16 queries and
-    pages, on CPU, and the kernel available."""
-    return (q.ndim == 4 and jnp.dtype(q.dtype) in DTYPES
-            and jnp.dtype(k_pages.dtype) in DTYPES and jax.default_backend() == "cpu"
-            and available())
+    """Whether the kernel should run this step: q [B, T, H, D] and pages of `takes_dtypes`."""
+    return q.ndim == 4 and takes_dtypes(q.dtype, k_pages.dtype)
+
+
+def takes_dtypes(q_dtype: jnp.dtype, kv_dtype: jnp.dtype) -> bool:
+    """Whether the kernel runs steps of these query and page dtypes here: float32 or bfloat16,
+    on CPU, and the kernel available."""
+    return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(kv_dtype) in DTYPES
+            and jax.default_backend() == "cpu" and available())
 
 
 def _check(q, k_pages, v_pages, lengths, q_lens, page_tables) -> None:

@@ -572,6 +572,14 @@ def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
+def reads_in_place(kv_format: str, backend: str, q_dtype: jnp.dtype) -> bool:
+    """Whether a cache of this format and backend hands every step without a tree mask to
+    `kernels_cpu.attention` (on one device), which reads each row's visible tokens from its
+    pages: the page-table width then costs nothing, so one width can serve every length."""
+    return (backend == "reference" and kv_format in ("float32", "bfloat16")
+            and cpu_attention.takes_dtypes(q_dtype, kv_format))
+
+
 def window_slots(kv_format: str, max_sequences: int) -> int:
     """Window slots a cache of `kv_format` needs when at most `max_sequences` sequences hold
     pages at once (the allocator's `num_windows` and the cache's): one each for int4_kivi, which

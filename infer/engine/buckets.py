@@ -2,10 +2,13 @@
 compiles a handful of shapes instead of one per size.
 
 - Rows of a decode batch: powers of two up to `max_num_seqs`.
-- Tokens of a prefill chunk or a prompt: powers of two from `MIN_PREFILL_TOKENS`.
+- Tokens of a prefill chunk or a prompt: powers of two from `MIN_PREFILL_TOKENS`; the engine's
+  chunks also 1.5 times each (`with_midpoints`) where one page-table width serves every length.
 - Attention windows (a contiguous cache's slots, a page table's width in tokens): powers of two
-  from `MIN_WINDOW`. Every attention reads its whole window, so a short sequence still pays for
-  `MIN_WINDOW` slots; each larger power of two is one more set of programs.
+  from `MIN_WINDOW`. Attention that gathers its window reads all of it, so a short sequence still
+  pays for `MIN_WINDOW` slots; each larger power of two is one more set of programs. Where every
+  step reads its rows' tokens in place (`infer.cache.paged.reads_in_place`) the width costs
+  nothing and the engine compiles the longest only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         out.append(n)
         n *= 2
     return tuple(out) + (hi,)
+
+
+def with_midpoints(buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets and 1.5 times each below the largest (16, 24, 32, 48, ... for powers of two):
+    a length from the smallest on then pads to at most 1.5 times itself instead of twice. The
+    prompts of `experiments.serve`'s workload (uniform in 16-128 tokens) pad by 14% on average
+    instead of 25%."""
+    mids = [b * 3 // 2 for b in buckets[:-1] if b % 2 == 0]
+    return tuple(sorted(set(buckets) | {m for m in mids if m < buckets[-1]}))
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from infer.cache.page_allocator import PageAllocator
-from infer.cache.paged import window_slots
+from infer.cache.paged import reads_in_place, window_slots
 from infer.cache.prefix_cache import PrefixCache
 from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord, StepTimes
@@ -54,7 +54,11 @@ class EngineConfig:
     attention_backend: str = "reference"
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = False
-    min_window: int = MIN_WINDOW  # smallest attention window in tokens (RunnerConfig.min_window)
+    # Smallest attention window in tokens (RunnerConfig.min_window); None: max_model_len where
+    # every step reads its rows' tokens in place (CPU, float32 or bfloat16 pages, one device, no
+    # trees: `infer.cache.paged.reads_in_place`), so that one page-table width serves every
+    # length and each step kind compiles once, else MIN_WINDOW.
+    min_window: int | None = None
     # Plan and dispatch the next decode step while the device runs this one (Engine.step).
     async_scheduling: bool = True
     # A prefill chunk and the decode rows in one forward when both are pending, rather than
@@ -94,8 +98,14 @@ class Engine:
         if kv_format == "auto":
             kv_format = jnp.dtype(model.embed[...].dtype).name
         kv_format = resolve_kv_format(kv_format, page_formats=True)  # "fp8" is e4m3
+        tree = config.speculative.tree_shape if config.speculative else None
+        min_window = config.min_window
+        if min_window is None:
+            one_width = (tree is None and (mesh is None or mesh.size == 1) and reads_in_place(
+                kv_format, config.attention_backend, model.embed[...].dtype))
+            min_window = max_model_len if one_width else MIN_WINDOW
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
-                                          kv_cache_dtype=kv_format)
+                                          kv_cache_dtype=kv_format, min_window=min_window)
         self.allocator = PageAllocator(num_pages, config.page_size,
                                        num_windows=window_slots(kv_format, config.max_num_seqs))
         self.prefix_cache = PrefixCache(self.allocator) if config.enable_prefix_caching else None
@@ -111,8 +121,7 @@ class Engine:
             attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
             max_prefill_tokens=config.max_prefill_tokens, max_model_len=max_model_len,
             num_speculative_tokens=config.speculative.reserved_slots if config.speculative else 0,
-            min_window=config.min_window, mixed_steps=config.mixed_steps,
-            tree=config.speculative.tree_shape if config.speculative else None)
+            min_window=min_window, mixed_steps=config.mixed_steps, tree=tree)
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
         proposer = None

@@ -3,8 +3,8 @@ step on the paged cache, and returns the sampled tokens.
 
 Shapes are bucketed so that a serving run compiles a fixed set of programs, all during
 `warmup()`: decode rows pad to a power of two up to `max_num_seqs`, prefill chunks to a power of
-two up to `max_prefill_tokens`, and page tables to a power-of-two number of tokens (at least
-`min_window`) up to `max_model_len`. `Runner.shapes` lists every program those buckets make
+two up to `max_prefill_tokens` (and 1.5 times each where page tables have one width), and page
+tables to a power-of-two number of tokens (at least `min_window`) up to `max_model_len`. `Runner.shapes` lists every program those buckets make
 (`Shape`: prefill, decode or verify, with or without draft probabilities). Padding rows have no
 valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
 positions are arrays, never static.
@@ -26,7 +26,8 @@ import numpy as np
 from infer.cache import kivi
 from infer.cache.metadata import MixedMetadata, paged_metadata
 from infer.cache.paged import PagedKVCache, copy_pages, window_slots
-from infer.engine.buckets import MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two
+from infer.engine.buckets import (MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, powers_of_two,
+                                  with_midpoints)
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.metrics import StepTimes
 from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
@@ -84,8 +85,11 @@ class RunnerConfig:
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
+        """Chunk lengths: powers of two, and 1.5 times each where one page-table width serves
+        every length (each chunk bucket is then one program, not one per width)."""
         top = self.max_prefill_tokens
-        return powers_of_two(min(MIN_PREFILL_TOKENS, top), top)
+        buckets = powers_of_two(min(MIN_PREFILL_TOKENS, top), top)
+        return with_midpoints(buckets) if len(self.window_buckets) == 1 else buckets
 
     @property
     def window_buckets(self) -> tuple[int, ...]:

@@ -50,6 +50,33 @@ def test_min_window_is_a_validated_config_field(tiny_model) -> None:
     assert engine.runner.config.window_buckets == (4, 8, 16)
 
 
+def test_one_window_where_every_step_reads_its_tokens_in_place(tiny_model) -> None:
+    """By default an engine whose steps all read their rows' tokens in place (the CPU attention
+    kernel: float32 or bfloat16 pages, no trees) compiles one page-table width, the longest,
+    since the width then costs nothing; a cache whose steps gather their window (int8 pages)
+    keeps a width per power of two from MIN_WINDOW, and an explicit min_window is kept."""
+    from infer.cache.paged import reads_in_place
+    from infer.engine.buckets import powers_of_two
+    from kernels_cpu import attention as cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("the CPU attention kernel is not available here: every cache gathers")
+    options = dict(max_num_seqs=2, max_model_len=256, page_size=16)
+    for kv in ("auto", "bfloat16"):
+        engine = Engine(tiny_model, None, EngineConfig(kv_cache_dtype=kv, **options))
+        assert reads_in_place(engine.config.kv_cache_dtype, "reference", tiny_model.embed[...].dtype)
+        assert engine.runner.config.window_buckets == (16,)  # 256 tokens
+        assert {s.width for s in engine.runner.shapes()} == {16}
+        # With one width, chunk buckets 1.5 times apart cost a program each, not one per width.
+        assert engine.runner.config.prefill_buckets == (16, 24, 32, 48, 64, 96, 128, 192, 256)
+    gathered = Engine(tiny_model, None, EngineConfig(kv_cache_dtype="int8", **options))
+    assert not reads_in_place("int8", "reference", tiny_model.embed[...].dtype)
+    assert gathered.runner.config.window_buckets == (8, 16)  # 128 and 256 tokens
+    assert gathered.runner.config.prefill_buckets == powers_of_two(16, 256)
+    chosen = Engine(tiny_model, None, EngineConfig(min_window=64, **options))
+    assert chosen.runner.config.window_buckets == (4, 8, 16)
+
+
 def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """Random and repetitive prompts (lookup proposes on these), some sharing a 12-token
     prefix (three pages: a prefix cache hit), greedy and sampled with top-k and top-p."""
@@ -82,6 +109,10 @@ CASES = {
                       enable_prefix_caching=True),
     "int4_kivi_ngram": dict(min_window=32, kv_cache_dtype="int4_kivi", speculative=("ngram", 3),
                             enable_prefix_caching=True),
+    # The default window on CPU (one width where steps read in place) with chunk buckets 16, 24
+    # and 32.
+    "one_width": dict(max_prefill_tokens=32, enable_prefix_caching=True),
+    "one_width_mixed": dict(max_prefill_tokens=32, mixed_steps=True),
 }
 
 
@@ -93,9 +124,9 @@ def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
         spec = SpeculativeConfig(spec[0], spec[1], self_draft_layers=1,
                                  draft_path=tiny_weights["draft"],
                                  eagle_path=tiny_weights["eagle"])
-    engine = Engine(tiny_model, None, EngineConfig(
-        max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4,
-        speculative=spec, **options))
+    engine = Engine(tiny_model, None, EngineConfig(**{
+        **dict(max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4), **options,
+        "speculative": spec}))
     engine.warmup()
     verified = []  # (rows, tokens) of each verify step, to check the run reached the edge case
     verify_step = engine.runner.device_steps.verify_step
