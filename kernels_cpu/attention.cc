@@ -282,7 +282,8 @@ ffi::Error dispatch_pages(ffi::ThreadPool& pool, const Q* q, ffi::AnyBuffer k, f
     return attend_dims(pool, q, static_cast<const float*>(k.untyped_data()),
                        static_cast<const float*>(v.untyped_data()), lengths, q_lens, tables, s,
                        scale, out);
-  if (k.element_type() == ffi::DataType::BF16)
+  // U16: bfloat16 pages as their bits, as the paged cache holds them on CPU.
+  if (k.element_type() == ffi::DataType::BF16 || k.element_type() == ffi::DataType::U16)
     return attend_dims(pool, q, static_cast<const uint16_t*>(k.untyped_data()),
                        static_cast<const uint16_t*>(v.untyped_data()), lengths, q_lens, tables,
                        s, scale, out);

@@ -28,6 +28,10 @@ from kernels_cpu.build import Kernel
 KERNEL = Kernel(Path(__file__).with_name("attention.cc"), "InferPagedAttentionCpu",
                 "infer_paged_attention_cpu")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# bfloat16 pages may come as their bits (`kv_quant.bits_dtype` holds them so on CPU), read in
+# place: bitcasting them first would copy the whole pool for each layer (8.8 ms a bfloat16
+# decode step of a 16-slot, 512-token engine).
+BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
 
 
 def available() -> bool:
@@ -35,9 +39,16 @@ def available() -> bool:
     return KERNEL.available()
 
 
-def takes(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether the kernel should run this step: q [B, T, H, D] and pages of `takes_dtypes`."""
-    return q.ndim == 4 and takes_dtypes(q.dtype, k_pages.dtype)
+def takes(q: jax.Array, k_pages: jax.Array, page_dtype: jnp.dtype | None = None) -> bool:
+    """Whether the kernel should run this step: q [B, T, H, D] and pages of `takes_dtypes`
+    (`page_dtype`: what pages held as bits hold, as `attend`'s)."""
+    page_dtype = jnp.dtype(k_pages.dtype if page_dtype is None else page_dtype)
+    return (q.ndim == 4 and _held_as(k_pages.dtype, page_dtype)
+            and takes_dtypes(q.dtype, page_dtype))
+
+
+def _held_as(held: jnp.dtype, page_dtype: jnp.dtype) -> bool:
+    return jnp.dtype(held) in (page_dtype, BITS.get(page_dtype))
 
 
 def takes_dtypes(q_dtype: jnp.dtype, kv_dtype: jnp.dtype) -> bool:
@@ -47,7 +58,7 @@ def takes_dtypes(q_dtype: jnp.dtype, kv_dtype: jnp.dtype) -> bool:
             and jax.default_backend() == "cpu" and available())
 
 
-def _check(q, k_pages, v_pages, lengths, q_lens, page_tables) -> None:
+def _check(q, k_pages, v_pages, lengths, q_lens, page_tables, page_dtype) -> None:
     if (q.ndim != 4 or k_pages.ndim != 4 or page_tables.ndim != 2 or lengths.ndim != 1
             or q_lens.ndim != 1):
         raise ValueError(f"q must be [B, T, H, D], pages [P, K, G, D], lengths and q_lens [B] "
@@ -62,19 +73,25 @@ def _check(q, k_pages, v_pages, lengths, q_lens, page_tables) -> None:
         raise ValueError(f"shapes disagree: q {q.shape}, pages {k_pages.shape}, lengths "
                          f"{lengths.shape}, q_lens {q_lens.shape}, page_tables "
                          f"{page_tables.shape}")
-    if jnp.dtype(q.dtype) not in DTYPES or jnp.dtype(k_pages.dtype) not in DTYPES:
+    if jnp.dtype(q.dtype) not in DTYPES or page_dtype not in DTYPES:
         raise ValueError(f"q and pages must be float32 or bfloat16, got {q.dtype}, "
-                         f"{k_pages.dtype}")
+                         f"{page_dtype}")
+    if not _held_as(k_pages.dtype, page_dtype):
+        raise ValueError(f"pages holding {page_dtype} come as {page_dtype} or as its bits "
+                         f"({BITS.get(page_dtype)}), not {k_pages.dtype}")
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-           q_lens: jax.Array, page_tables: jax.Array, scale: float | None = None) -> jax.Array:
+           q_lens: jax.Array, page_tables: jax.Array, scale: float | None = None,
+           page_dtype: jnp.dtype | None = None) -> jax.Array:
     """q [B, T, H, D], the new tokens of rows holding lengths[b] tokens after this step (the
     last q_lens[b] of them new), over the pages [P, K, G, D] each page_tables row [n] names ->
     [B, T, H, D] in q's dtype, accumulated in float32. New token t sees the row's first
     lengths - q_lens + t + 1 tokens; a padding query (t >= q_lens[b]) sees slot 0 (its output
-    is not meant to be used)."""
-    _check(q, k_pages, v_pages, lengths, q_lens, page_tables)
+    is not meant to be used). `page_dtype`: what the pages hold (default: their dtype);
+    bfloat16 pages may come as their uint16 bits (`BITS`)."""
+    page_dtype = jnp.dtype(k_pages.dtype if page_dtype is None else page_dtype)
+    _check(q, k_pages, v_pages, lengths, q_lens, page_tables, page_dtype)
     if not available():
         raise RuntimeError("the CPU attention kernel is not available here "
                            "(see kernels_cpu/build.py)")
@@ -87,10 +104,14 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Ar
 
 
 def reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-              q_lens: jax.Array, page_tables: jax.Array, scale: float | None = None
-              ) -> jax.Array:
+              q_lens: jax.Array, page_tables: jax.Array, scale: float | None = None,
+              page_dtype: jnp.dtype | None = None) -> jax.Array:
     """`attend` by jnp: the pages gathered, the slots each query may not see masked."""
-    _check(q, k_pages, v_pages, lengths, q_lens, page_tables)
+    page_dtype = jnp.dtype(k_pages.dtype if page_dtype is None else page_dtype)
+    _check(q, k_pages, v_pages, lengths, q_lens, page_tables, page_dtype)
+    if k_pages.dtype != page_dtype:
+        k_pages = jax.lax.bitcast_convert_type(k_pages, page_dtype)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, page_dtype)
     b, t, h, d = q.shape
     _, kv_heads, g, _ = k_pages.shape
     n = page_tables.shape[1]

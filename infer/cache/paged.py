@@ -313,11 +313,14 @@ class PagedKVCache(WriteThenAttend):
             return per_shard(prefill, (q_axes, PAGE_AXES, None, None, None, None), q_axes)(
                 q, pools, meta.lengths, meta.q_lens, meta.page_tables, meta.tree_mask)
         k_pages, v_pages, k_scales, v_scales = pools
+        # The pages as held (bfloat16 as its bits on CPU): the kernel reads them in place.
+        page_dtype = kv_quant.storage_dtype(self.kv_format)
         if (meta.tree_mask is None and k_scales is None
-                and jax.sharding.get_abstract_mesh().empty and cpu_attention.takes(q, k_pages)):
+                and jax.sharding.get_abstract_mesh().empty
+                and cpu_attention.takes(q, self.k[layer], page_dtype)):
             # On CPU each row's visible tokens are read in place.
-            return cpu_attention.attend(q, k_pages, v_pages, meta.lengths, meta.q_lens,
-                                        meta.page_tables)
+            return cpu_attention.attend(q, self.k[layer], self.v[layer], meta.lengths,
+                                        meta.q_lens, meta.page_tables, page_dtype=page_dtype)
         # Dequantized straight into the dtype attention computes in: one pass over the pages.
         work = attention.compute_dtype(q.dtype)
         k = self._gather(k_pages, k_scales, meta.page_tables, work)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason="the CPU attention kernel needs XLA:CPU, x86-64 with AVX-512 and a C++ compiler")
 
 attend = jax.jit(cpu_attention.attend)
+attend_bits = jax.jit(lambda *args: cpu_attention.attend(*args, page_dtype=jnp.bfloat16))
 reference = jax.jit(cpu_attention.reference)
 
 
@@ -68,7 +69,13 @@ def test_random_shapes_match_the_reference_and_read_only_visible_tokens(q_dtype,
     rng = np.random.default_rng(seed)
     for _ in range(20):
         q, poisoned_k, poisoned_v, k, v, lengths, q_lens, table = _case(rng, q_dtype, kv_dtype)
-        got = np.asarray(attend(q, poisoned_k, poisoned_v, lengths, q_lens, table), np.float32)
+        if kv_dtype == jnp.bfloat16 and rng.random() < 0.5:
+            # As the paged cache holds them on CPU: their uint16 bits, read in place.
+            bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+            got = attend_bits(q, bits(poisoned_k), bits(poisoned_v), lengths, q_lens, table)
+        else:
+            got = attend(q, poisoned_k, poisoned_v, lengths, q_lens, table)
+        got = np.asarray(got, np.float32)
         want = np.asarray(reference(q, k, v, lengths, q_lens, table), np.float32)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.isfinite(got).all(), (seed, "read a slot past a row's length")
@@ -89,18 +96,22 @@ def test_a_large_softmax_range_stays_exact() -> None:
 
 def test_the_paged_cache_hands_every_step_without_a_tree_mask_to_the_kernel() -> None:
     """Decode, verify and prefill steps of a float32 or bfloat16 paged cache (reference backend)
-    lower to the kernel and give the masked attention's values; a step with a tree mask keeps
-    the masked attention."""
+    lower to the kernel and give the masked attention's values, reading bfloat16 pages as the
+    cache holds them (their bits, no copy of the pool); a step with a tree mask keeps the
+    masked attention."""
     from infer.cache import attention
     from infer.cache.metadata import AttentionMetadata
     from infer.cache.paged import PagedKVCache
+    from kernels_pallas import kv_quant
 
     rng = np.random.default_rng(3)
     for dtype in (jnp.float32, jnp.bfloat16):
         cache = PagedKVCache.create(1, 9, 4, 2, 16, kv_format=jnp.dtype(dtype).name)
         k = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
         v = jnp.asarray(rng.standard_normal((1, 9, 2, 4, 16)).astype(np.float32)).astype(dtype)
-        cache = dataclasses.replace(cache, k=(k[0],), v=(v[0],))
+        held = kv_quant.bits_dtype(dtype)
+        cache = dataclasses.replace(cache, k=(kv_quant.to_bits(k[0], held),),
+                                    v=(kv_quant.to_bits(v[0], held),))
         table = jnp.asarray([[3, 1, 7, 0, 4, 6], [2, 8, 5, 0, 0, 0]], jnp.int32)
         for t, tree in ((1, False), (3, False), (17, False), (20, False), (3, True)):
             lengths = jnp.asarray([t + 4, t], jnp.int32)
@@ -111,8 +122,10 @@ def test_the_paged_cache_hands_every_step_without_a_tree_mask_to_the_kernel() ->
                                      page_tables=table, tree_mask=tree_mask if tree else None)
             q = jnp.asarray(rng.standard_normal((2, t, 4, 16)).astype(np.float32)).astype(dtype)
             attend = jax.jit(lambda q, cache, meta: cache.attend(0, q, meta))
-            text = attend.lower(q, cache, meta).as_text()
-            assert (cpu_attention.KERNEL.target in text) == (not tree), (dtype, t, tree)
+            lowered = attend.lower(q, cache, meta)
+            assert (cpu_attention.KERNEL.target in lowered.as_text()) == (not tree), (dtype, t)
+            if not tree:
+                assert "bitcast-convert" not in lowered.compile().as_text(), (dtype, t)
             keys = cache._gather(k[0], None, table, jnp.float32)
             values = cache._gather(v[0], None, table, jnp.float32)
             want = attention.masked_attention(q, keys, values,
