@@ -311,14 +311,17 @@ class Scheduler:
         """The decode step after `plan` (a decode step now in flight), planned before its tokens
         are known, so that the host plans and dispatches step n+1 while the device runs step n
         (vLLM's async scheduling). Each row feeds the token step n samples for it, straight from
-        the device, one slot further on. None when the next step could differ from that: work
-        to admit or prefill, speculation, a request whose last token is in flight, or pages to
+        the device, one slot further on. None when the next step could differ from that: a
+        request to admit (waiting with a slot free; with every slot taken none can be admitted
+        before a row finishes, and a row that finishes in step n leaves step n + 1 planned
+        after it, so admission waits one step) or to prefill, speculation, a request whose last token is in flight, or pages to
         find or copy. A row whose request finishes in step n (an eos or stop) computes once for
         nothing: its token is dropped and its pages, freed, are written before anyone reuses
         them, since steps run in order."""
         if (plan.kind != "decode" or not plan.decode or self.config.num_speculative_tokens
                 or len(plan.decode) != len(self.running)
-                or (self.waiting and self.config.policy == "continuous")):
+                or (self.waiting and self.config.policy == "continuous"
+                    and len(self.running) < self.config.max_num_seqs)):
             return None
         g = self.allocator.page_size
         for seq in plan.decode:

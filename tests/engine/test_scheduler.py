@@ -245,3 +245,30 @@ def test_prefix_cache_under_memory_pressure() -> None:
     cache.evict(allocator.num_pages)
     assert allocator.num_free() == 14
     allocator.check_invariants()
+
+
+def test_a_full_batch_plans_ahead_while_requests_wait_for_a_slot() -> None:
+    """Continuous batching with every slot taken and requests queued: no request can be admitted
+    before one finishes, so decode steps are still planned ahead (async scheduling). With a slot
+    free while a request waits (its pages short, in a small pool), nothing is planned ahead, so
+    it is admitted as soon as pages free up. Outputs stay exact and every page returns."""
+    rng = random.Random()
+    ahead_while_waiting = 0
+    for _ in range(40):
+        slots = rng.randint(1, 4)
+        sched, runner = make(num_pages=rng.randint(10, 40), max_num_seqs=slots,
+                             max_prefill_tokens=8)
+        for i in range(slots + rng.randint(1, 4)):
+            sched.add(request(str(i), rng.randint(1, 12), rng.randint(4, 24), seed=rng.random()))
+        sched.draining = True
+        in_flight = None
+        while sched.has_unfinished():
+            step, in_flight = sched.next_steps(in_flight, runner.dispatch, plan_ahead=True)
+            # The queue and the slots as the step ahead was planned (before `step`'s tokens).
+            if in_flight is not None and sched.waiting:
+                assert len(sched.running) == slots, "planned ahead past an admission"
+                ahead_while_waiting += 1
+            sched.postprocess(step.plan, step.result())
+        check_outputs(sched)
+        assert sched.allocator.num_free() == sched.allocator.num_pages
+    assert ahead_while_waiting > 0
