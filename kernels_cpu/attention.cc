@@ -116,9 +116,10 @@ constexpr int64_t kQueryBlock = 16;
 
 // One (row, KV head) and new tokens [t0, t1): their queries ((t1 - t0) tokens x `group` query
 // heads, query i = (t - t0) * group + g) against the row's tokens they see, each key and value
-// read from the pages once for all of them. VEC = vectors of 16 lanes in a head (D <= 16 VEC). Queries that see fewer tokens
-// (earlier new tokens) skip the rest: a slot past what a query sees is never multiplied into
-// its output, so an unused slot's contents (NaN in the tests) cannot leak.
+// read from the pages once for all of them. VEC = vectors of 16 lanes in a head (D <= 16 VEC).
+// Queries that see fewer tokens (earlier new tokens) skip the rest: a slot past what a query
+// sees is never multiplied into its output, so an unused slot's contents (NaN in the tests)
+// cannot leak.
 template <int VEC, typename Q, typename KV>
 void attend_row(const Q* q, const KV* k_pages, const KV* v_pages, const int32_t* table,
                 int64_t start, int64_t valid, const Shape& s, int64_t kv_head, int64_t t0,

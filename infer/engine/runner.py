@@ -4,8 +4,9 @@ step on the paged cache, and returns the sampled tokens.
 Shapes are bucketed so that a serving run compiles a fixed set of programs, all during
 `warmup()`: decode rows pad to a power of two up to `max_num_seqs`, prefill chunks to a power of
 two up to `max_prefill_tokens` (and 1.5 times each where page tables have one width), and page
-tables to a power-of-two number of tokens (at least `min_window`) up to `max_model_len`. `Runner.shapes` lists every program those buckets make
-(`Shape`: prefill, decode or verify, with or without draft probabilities). Padding rows have no
+tables to a power-of-two number of tokens (at least `min_window`) up to `max_model_len`.
+`Runner.shapes` lists every program those buckets make (`Shape`: prefill, decode or verify,
+with or without draft probabilities). Padding rows have no
 valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
 positions are arrays, never static.
 

@@ -314,10 +314,10 @@ class Scheduler:
         the device, one slot further on. None when the next step could differ from that: a
         request to admit (waiting with a slot free; with every slot taken none can be admitted
         before a row finishes, and a row that finishes in step n leaves step n + 1 planned
-        after it, so admission waits one step) or to prefill, speculation, a request whose last token is in flight, or pages to
-        find or copy. A row whose request finishes in step n (an eos or stop) computes once for
-        nothing: its token is dropped and its pages, freed, are written before anyone reuses
-        them, since steps run in order."""
+        after it, so admission waits one step) or to prefill, speculation, a request whose last
+        token is in flight, or pages to find or copy. A row whose request finishes in step n (an
+        eos or stop) computes once for nothing: its token is dropped and its pages, freed, are
+        written before anyone reuses them, since steps run in order."""
         if (plan.kind != "decode" or not plan.decode or self.config.num_speculative_tokens
                 or len(plan.decode) != len(self.running)
                 or (self.waiting and self.config.policy == "continuous"

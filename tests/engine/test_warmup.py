@@ -64,7 +64,8 @@ def test_one_window_where_every_step_reads_its_tokens_in_place(tiny_model) -> No
     options = dict(max_num_seqs=2, max_model_len=256, page_size=16)
     for kv in ("auto", "bfloat16"):
         engine = Engine(tiny_model, None, EngineConfig(kv_cache_dtype=kv, **options))
-        assert reads_in_place(engine.config.kv_cache_dtype, "reference", tiny_model.embed[...].dtype)
+        dtype = tiny_model.embed[...].dtype
+        assert reads_in_place(engine.config.kv_cache_dtype, "reference", dtype)
         assert engine.runner.config.window_buckets == (16,)  # 256 tokens
         assert {s.width for s in engine.runner.shapes()} == {16}
         # With one width, chunk buckets 1.5 times apart cost a program each, not one per width.
