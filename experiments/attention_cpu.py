@@ -10,9 +10,10 @@ two taking turns) over --layers layers, each with its own page pool (so keys and
 values stream from memory as in a step, not from cache), pages in a random order, every row
 holding `context` tokens of which the last `queries` are new (1: decode; k + 1: a verify step;
 a whole prompt's count: its prefill chunk, e.g. --batch_sizes=1 --contexts=32,128
---queries=32,128). The window (page-table width) is the context rounded up to a power of two of at least 128
-tokens, as the engine's. Prints ms per layer and the bytes of visible keys and values read per
-second; writes one JSON line per point to results/attention_cpu.jsonl.
+--queries=32,128). The window (page-table width) is the context rounded up to a power of two of
+at least 128 tokens, as the engine's gathered path has it. Prints ms per layer and the bytes of
+visible keys and values read per second; writes one JSON line per point to
+results/attention_cpu.jsonl.
 """
 
 from __future__ import annotations

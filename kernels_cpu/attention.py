@@ -39,14 +39,6 @@ def available() -> bool:
     return KERNEL.available()
 
 
-def takes(q: jax.Array, k_pages: jax.Array, page_dtype: jnp.dtype | None = None) -> bool:
-    """Whether the kernel should run this step: q [B, T, H, D] and pages of `takes_dtypes`
-    (`page_dtype`: what pages held as bits hold, as `attend`'s)."""
-    page_dtype = jnp.dtype(k_pages.dtype if page_dtype is None else page_dtype)
-    return (q.ndim == 4 and _held_as(k_pages.dtype, page_dtype)
-            and takes_dtypes(q.dtype, page_dtype))
-
-
 def _held_as(held: jnp.dtype, page_dtype: jnp.dtype) -> bool:
     return jnp.dtype(held) in (page_dtype, BITS.get(page_dtype))
 

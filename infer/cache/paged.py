@@ -313,14 +313,13 @@ class PagedKVCache(WriteThenAttend):
             return per_shard(prefill, (q_axes, PAGE_AXES, None, None, None, None), q_axes)(
                 q, pools, meta.lengths, meta.q_lens, meta.page_tables, meta.tree_mask)
         k_pages, v_pages, k_scales, v_scales = pools
-        # The pages as held (bfloat16 as its bits on CPU): the kernel reads them in place.
-        page_dtype = kv_quant.storage_dtype(self.kv_format)
-        if (meta.tree_mask is None and k_scales is None
-                and jax.sharding.get_abstract_mesh().empty
-                and cpu_attention.takes(q, self.k[layer], page_dtype)):
-            # On CPU each row's visible tokens are read in place.
+        if (meta.tree_mask is None and jax.sharding.get_abstract_mesh().empty
+                and reads_in_place(self.kv_format, self.backend, q.dtype)):
+            # On CPU each row's visible tokens are read in place, from the pages as held
+            # (bfloat16 as its bits).
             return cpu_attention.attend(q, self.k[layer], self.v[layer], meta.lengths,
-                                        meta.q_lens, meta.page_tables, page_dtype=page_dtype)
+                                        meta.q_lens, meta.page_tables,
+                                        page_dtype=kv_quant.storage_dtype(self.kv_format))
         # Dequantized straight into the dtype attention computes in: one pass over the pages.
         work = attention.compute_dtype(q.dtype)
         k = self._gather(k_pages, k_scales, meta.page_tables, work)
@@ -578,7 +577,9 @@ def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
 def reads_in_place(kv_format: str, backend: str, q_dtype: jnp.dtype) -> bool:
     """Whether a cache of this format and backend hands every step without a tree mask to
     `kernels_cpu.attention` (on one device), which reads each row's visible tokens from its
-    pages: the page-table width then costs nothing, so one width can serve every length."""
+    pages: the page-table width then costs nothing, so one width can serve every length. The
+    one rule both `PagedKVCache` (which step goes to the kernel) and the engine (how many
+    widths to compile) follow."""
     return (backend == "reference" and kv_format in ("float32", "bfloat16")
             and cpu_attention.takes_dtypes(q_dtype, kv_format))
 

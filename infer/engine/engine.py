@@ -94,15 +94,16 @@ class Engine:
         num_pages = config.num_pages
         if num_pages is None:
             num_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
+        dtype = jnp.dtype(model.embed[...].dtype)  # the weights' and activations'
         kv_format = config.kv_cache_dtype
         if kv_format == "auto":
-            kv_format = jnp.dtype(model.embed[...].dtype).name
+            kv_format = dtype.name
         kv_format = resolve_kv_format(kv_format, page_formats=True)  # "fp8" is e4m3
         tree = config.speculative.tree_shape if config.speculative else None
         min_window = config.min_window
         if min_window is None:
-            one_width = (tree is None and (mesh is None or mesh.size == 1) and reads_in_place(
-                kv_format, config.attention_backend, model.embed[...].dtype))
+            one_width = (tree is None and (mesh is None or mesh.size == 1)
+                         and reads_in_place(kv_format, config.attention_backend, dtype))
             min_window = max_model_len if one_width else MIN_WINDOW
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=kv_format, min_window=min_window)

@@ -6,9 +6,9 @@ Shapes are bucketed so that a serving run compiles a fixed set of programs, all 
 two up to `max_prefill_tokens` (and 1.5 times each where page tables have one width), and page
 tables to a power-of-two number of tokens (at least `min_window`) up to `max_model_len`.
 `Runner.shapes` lists every program those buckets make (`Shape`: prefill, decode or verify,
-with or without draft probabilities). Padding rows have no
-valid token: their writes are dropped and their samples ignored. Sampling parameters and PRNG
-positions are arrays, never static.
+with or without draft probabilities). Padding rows have no valid token: their writes are
+dropped and their samples ignored. Sampling parameters and PRNG positions are arrays, never
+static.
 
 Every write is checked on the host before the step (`infer.cache.metadata.paged_metadata`): a
 row may write only into pages it holds, and a violation raises instead of corrupting another
