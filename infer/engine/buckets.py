@@ -34,9 +34,7 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 def with_midpoints(buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The buckets and 1.5 times each below the largest (16, 24, 32, 48, ... for powers of two):
-    a length from the smallest on then pads to at most 1.5 times itself instead of twice. The
-    prompts of `experiments.serve`'s workload (uniform in 16-128 tokens) pad by 14% on average
-    instead of 25%."""
+    a length from the smallest on then pads to at most 1.5 times itself instead of twice."""
     mids = [b * 3 // 2 for b in buckets[:-1] if b % 2 == 0]
     return tuple(sorted(set(buckets) | {m for m in mids if m < buckets[-1]}))
 

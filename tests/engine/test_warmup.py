@@ -62,16 +62,16 @@ def test_one_window_where_every_step_reads_its_tokens_in_place(tiny_model) -> No
     if not cpu_attention.available():
         pytest.skip("the CPU attention kernel is not available here: every cache gathers")
     options = dict(max_num_seqs=2, max_model_len=256, page_size=16)
+    dtype = tiny_model.embed[...].dtype
     for kv in ("auto", "bfloat16"):
         engine = Engine(tiny_model, None, EngineConfig(kv_cache_dtype=kv, **options))
-        dtype = tiny_model.embed[...].dtype
         assert reads_in_place(engine.config.kv_cache_dtype, "reference", dtype)
         assert engine.runner.config.window_buckets == (16,)  # 256 tokens
         assert {s.width for s in engine.runner.shapes()} == {16}
         # With one width, chunk buckets 1.5 times apart cost a program each, not one per width.
         assert engine.runner.config.prefill_buckets == (16, 24, 32, 48, 64, 96, 128, 192, 256)
     gathered = Engine(tiny_model, None, EngineConfig(kv_cache_dtype="int8", **options))
-    assert not reads_in_place("int8", "reference", tiny_model.embed[...].dtype)
+    assert not reads_in_place("int8", "reference", dtype)
     assert gathered.runner.config.window_buckets == (8, 16)  # 128 and 256 tokens
     assert gathered.runner.config.prefill_buckets == powers_of_two(16, 256)
     chosen = Engine(tiny_model, None, EngineConfig(min_window=64, **options))
