@@ -33,7 +33,9 @@ SHARED_HEADERS = (HERE / "parallel.h",)
 _LOADING = threading.Lock()
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (else the processor's name): what the
+    kernels are compiled for, and what picks `kernels_cpu.dense.ROWS`."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -55,7 +57,7 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
     texts = [source.read_text(), *(h.read_text() for h in SHARED_HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, include, jax.__version__, _cpu_flags(),
+    key = hashlib.sha256("\0".join([*texts, version, include, jax.__version__, cpu_flags(),
                                     *extra_flags]).encode()).hexdigest()[:16]
     library = Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
     if library.exists():

@@ -30,7 +30,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_cpu.build import Kernel
+from kernels_cpu.build import Kernel, cpu_flags
 
 TARGET = "infer_dense_cpu"
 SOURCE = Path(__file__).with_name("dense.cc")
@@ -47,14 +47,37 @@ def available() -> bool:
     return KERNEL.available()
 
 
-# Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product on the
-# development machine (`python -m experiments.dense_cpu --rows=1,8,12,16,32,64,128,256
-# --layouts=kn` after the register tiles; the [N, K] rows and 2-7 [in, out] rows from earlier runs).
-# [in, out] products of 9 rows or more run on the kernel's register tiles, ahead of XLA's GEMMs
-# up to 128 rows; at 256 (a prefill chunk) the two tie and XLA keeps it. The [N, K] vocabulary
+# Row counts per (layout, weight dtype) for which the kernel beat XLA:CPU's product, measured
+# by `python -m experiments.dense_cpu` on each kind of machine it has run on. XLA:CPU hands its
+# dots to YNNPACK, which multiplies bfloat16 on AMX tiles where the CPU has them (the flag
+# amx_bf16): there XLA's bfloat16 GEMMs pass the kernel's VDPBF16PS register tiles from 14 rows
+# of a layer's [in, out] products and from 5 rows of the vocabulary projection.
+#
+# AMD EPYC (Zen 4, AVX512-BF16, no AMX): `--rows=1,8,12,16,32,64,128,256 --layouts=kn` after
+# the register tiles, the [N, K] rows and 2-7 [in, out] rows from earlier runs. [in, out]
+# products of 9 rows or more run on the kernel's register tiles, ahead of XLA's GEMMs up to 128
+# rows; at 256 (a prefill chunk) the two tie and XLA keeps it. The [N, K] vocabulary
 # projection's dot products stayed ahead up to 32 rows.
-ROWS = {("kn", jnp.dtype(jnp.float32)): range(1, 129), ("kn", jnp.dtype(jnp.bfloat16)): range(1, 129),
-        ("nk", jnp.dtype(jnp.float32)): range(1, 33), ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
+ROWS_AVX512 = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
+               ("kn", jnp.dtype(jnp.bfloat16)): range(1, 129),
+               ("nk", jnp.dtype(jnp.float32)): range(1, 33),
+               ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
+# Intel Xeon with AMX-BF16 (2 cores; 2026-12-05, `--layouts=layer,nk`, rows 1-128): kernel over
+# XLA time, bfloat16 layers 0.97 at 12 rows, 1.07 at 14, 1.11 at 16, 3.1 at 128; bfloat16
+# vocabulary projection 0.67 at 4 rows, 1.3 at 5, 1.6 at 8; float32 vocabulary projection 0.95
+# at 20 rows, 1.03 at 24, 1.12 at 32; float32 layers ahead or tied up to 128 rows.
+ROWS_AMX = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
+            ("kn", jnp.dtype(jnp.bfloat16)): range(1, 13),
+            ("nk", jnp.dtype(jnp.float32)): range(1, 21),
+            ("nk", jnp.dtype(jnp.bfloat16)): range(1, 5)}
+
+
+def rows_for(flags: str) -> dict[tuple[str, jnp.dtype], range]:
+    """The ROWS table for a CPU with these /proc/cpuinfo flags."""
+    return ROWS_AMX if "amx_bf16" in flags.split() else ROWS_AVX512
+
+
+ROWS = rows_for(cpu_flags())
 
 
 def takes(rows: int, w: jax.Array, layout: str) -> bool:

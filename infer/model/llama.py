@@ -47,8 +47,9 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     On CPU, products of a few rows (decode and verify steps) are bound by reading the weight,
     which XLA:CPU does slowly outside a one-row float32 GEMV, and batched steps by multiplies
     its GEMMs do slower than a register-tiled kernel; the products `kernels_cpu.dense` runs
-    faster (its ROWS table: up to 128 rows with [in, out] weights, up to 32 with the [N, K]
-    vocabulary projection) go to that kernel, unless a mesh is active. The rest is `xla_dense`.
+    faster (its ROWS table, measured per kind of CPU: where XLA multiplies bfloat16 on AMX
+    tiles, its GEMMs keep the batched bfloat16 products) go to that kernel, unless a mesh is
+    active. The rest is `xla_dense`.
     Accelerators are not affected."""
     layout = _kernel_layout(x, w, equation)
     if layout is None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kernels_cpu import dense as dense_cpu
+from kernels_cpu.build import cpu_flags
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not dense_cpu.available(),
@@ -198,6 +199,22 @@ def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
                 got = fn(x, w)
                 assert got.shape == (*lead, n)
                 _assert_close(got.reshape(m, n), x.reshape(m, k).astype(dtype), w, layout)
+
+
+def test_rows_table_follows_the_cpus_amx_flag() -> None:
+    """The AMX table iff amx_bf16 is one of the flags (not a prefix of another); both tables
+    give the kernel the 1-4-row products of decode steps, where XLA reads weights slowly on
+    every machine measured, and the AMX table keeps batched bfloat16 products for XLA."""
+    line = "flags\t\t: fpu sse2 avx512f avx512_bf16 {} avx512vl"
+    assert dense_cpu.rows_for(line.format("amx_tile amx_bf16")) is dense_cpu.ROWS_AMX
+    for other in ("amx_tile", "amx_bf16x", ""):
+        assert dense_cpu.rows_for(line.format(other)) is dense_cpu.ROWS_AVX512
+    for table in (dense_cpu.ROWS_AMX, dense_cpu.ROWS_AVX512):
+        for layout in dense_cpu.LAYOUTS:
+            for dtype in dense_cpu.DTYPES:
+                assert set(range(1, 5)) <= set(table[(layout, dtype)]), (layout, dtype)
+    assert 16 not in dense_cpu.ROWS_AMX[("kn", jnp.dtype(jnp.bfloat16))]
+    assert dense_cpu.ROWS is dense_cpu.rows_for(cpu_flags())
 
 
 def test_dense_leaves_products_under_a_mesh_to_xla() -> None:
