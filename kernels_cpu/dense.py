@@ -12,7 +12,8 @@ dtype.
 accumulation; bfloat16 pairs are multiplied by VDPBF16PS where the CPU has it, else widened in
 registers. It is built on first use (`kernels_cpu.build`); without AVX-512 or a compiler,
 `available()` is False and `infer.model.llama.dense` keeps XLA's product.
-`INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it.
+`INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it;
+`INFER_BATCH_INVARIANT=1` gives it every product (`rows_for`).
 
 Each output element is summed in an order fixed by K and the layout alone, so a row's result
 does not depend on which other rows share the call (batch invariance).
@@ -24,6 +25,7 @@ activation against several weights in one call), `ROWS` the products `dense` han
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -72,12 +74,25 @@ ROWS_AMX = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
             ("nk", jnp.dtype(jnp.bfloat16)): range(1, 5)}
 
 
-def rows_for(flags: str) -> dict[tuple[str, jnp.dtype], range]:
-    """The ROWS table for a CPU with these /proc/cpuinfo flags."""
+# Every row count to the kernel: a row's bits then never depend on the step it is in (the kernel
+# sums each output in an order fixed by K alone), at the cost of XLA's faster GEMMs on batched
+# steps where it has them.
+ROWS_INVARIANT = {key: range(1, 1 << 31) for key in ROWS_AVX512}
+BATCH_INVARIANT = os.environ.get("INFER_BATCH_INVARIANT", "0") == "1"
+
+
+def rows_for(flags: str, batch_invariant: bool = False) -> dict[tuple[str, jnp.dtype], range]:
+    """The ROWS table for a CPU with these /proc/cpuinfo flags. Where the fastest products mix
+    the kernel and XLA by row count, a token's logits in a decode step (few rows, the kernel)
+    and in a verify or prefill step (more rows, XLA) differ in their last bits, and greedy
+    speculative output can differ from plain greedy output at near-ties; `batch_invariant`
+    (INFER_BATCH_INVARIANT=1) gives the kernel every product instead."""
+    if batch_invariant:
+        return ROWS_INVARIANT
     return ROWS_AMX if "amx_bf16" in flags.split() else ROWS_AVX512
 
 
-ROWS = rows_for(cpu_flags())
+ROWS = rows_for(cpu_flags(), BATCH_INVARIANT)
 
 
 def takes(rows: int, w: jax.Array, layout: str) -> bool:

@@ -185,7 +185,7 @@ def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
     for dtype in (jnp.float32, jnp.bfloat16):
         for equation, layout in cases:
             # 1-9 rows, and each range's last row count and the one after it.
-            ends = {max(r) for r in dense_cpu.ROWS.values()}
+            ends = {max(r) for r in dense_cpu.ROWS.values() if max(r) < 4096}
             for m in sorted(set(range(1, 10)) | {e + d for e in ends for d in (0, 1)}):
                 lead = (1, m) if equation.startswith("bt") else (m,)
                 k, n = 48, 80
@@ -214,7 +214,44 @@ def test_rows_table_follows_the_cpus_amx_flag() -> None:
             for dtype in dense_cpu.DTYPES:
                 assert set(range(1, 5)) <= set(table[(layout, dtype)]), (layout, dtype)
     assert 16 not in dense_cpu.ROWS_AMX[("kn", jnp.dtype(jnp.bfloat16))]
-    assert dense_cpu.ROWS is dense_cpu.rows_for(cpu_flags())
+    for flags in (line.format("amx_bf16"), line.format("")):
+        table = dense_cpu.rows_for(flags, batch_invariant=True)
+        assert all(table[key] == range(1, 1 << 31) for key in dense_cpu.ROWS_AVX512)
+    assert dense_cpu.ROWS is dense_cpu.rows_for(cpu_flags(), dense_cpu.BATCH_INVARIANT)
+
+
+BATCH_INVARIANT_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from infer.model.llama import dense
+from kernels_cpu import dense as dense_cpu
+assert dense_cpu.BATCH_INVARIANT
+rng = np.random.default_rng(int(__import__("sys").argv[1]))
+for equation, shape in [("mk,kn->mn", (576, 1536)), ("...e,ve->...v", (4096, 576))]:
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+        x = jnp.asarray(rng.standard_normal((300, 576), np.float32))
+        one = np.asarray(jax.jit(lambda x: dense(x, w, equation))(x[:1]))
+        for m in rng.choice(np.arange(2, 301), 4, replace=False):
+            many = np.asarray(jax.jit(lambda x: dense(x, w, equation))(x[:m]))
+            np.testing.assert_array_equal(many[0], one[0], err_msg=f"{equation} {dtype} {m}")
+"""
+
+
+def test_batch_invariant_mode_gives_a_row_the_same_bits_in_every_step_size() -> None:
+    """With INFER_BATCH_INVARIANT=1, `dense` at random row counts up to 300 (decode rows,
+    verify rows, prefill chunks) gives a row the bits of the one-row product, in both layouts
+    and dtypes: the property greedy speculative decoding needs to equal plain greedy decoding
+    bit for bit. (Without it, on a machine whose XLA multiplies bfloat16 on AMX, the rows past
+    ROWS_AMX's ranges take XLA's GEMM and differ in their last bits.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "INFER_BATCH_INVARIANT": "1"}
+    seed = str(np.random.default_rng().integers(1 << 16))
+    done = subprocess.run([sys.executable, "-c", BATCH_INVARIANT_CHECK, seed], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"seed {seed}: {done.stderr[-3000:]}"
 
 
 def test_dense_leaves_products_under_a_mesh_to_xla() -> None:
