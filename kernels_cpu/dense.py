@@ -86,7 +86,9 @@ def rows_for(flags: str, batch_invariant: bool = False) -> dict[tuple[str, jnp.d
     the kernel and XLA by row count, a token's logits in a decode step (few rows, the kernel)
     and in a verify or prefill step (more rows, XLA) differ in their last bits, and greedy
     speculative output can differ from plain greedy output at near-ties; `batch_invariant`
-    (INFER_BATCH_INVARIANT=1) gives the kernel every product instead."""
+    (INFER_BATCH_INVARIANT=1) gives the kernel every product instead. That holds where the
+    kernel runs at all: on one device (under a mesh XLA keeps every product) with the kernel
+    built."""
     if batch_invariant:
         return ROWS_INVARIANT
     return ROWS_AMX if "amx_bf16" in flags.split() else ROWS_AVX512
