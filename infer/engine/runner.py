@@ -582,7 +582,12 @@ class Runner:
         copies = self.page_copy_sizes()
         for n in copies:  # copies onto page num_pages are dropped: the pool is unchanged
             self.cache = copy_pages(self.cache, [0] * n, [self.config.num_pages] * n)
-        return len(shapes) + len(copies) + (self.proposer.warmup() if self.proposer else 0)
+        proposed = self.proposer.warmup() if self.proposer else 0
+        # Steps are dispatched asynchronously: without this, warm-up returned with its empty
+        # steps still queued (with programs loaded from the persistent cache, seconds of them)
+        # and the caller's first real step waited behind them.
+        jax.block_until_ready(self.cache)
+        return len(shapes) + len(copies) + proposed
 
     @property
     def kv_bytes(self) -> int:

@@ -154,3 +154,35 @@ def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
         assert engine.prefix_cache_stats()["hit_tokens"] > 0
     if options.get("mixed_steps"):
         assert any(r.kind == "mixed" for r in engine.step_records())
+
+
+def test_warmup_returns_once_its_steps_have_run(tiny_model) -> None:
+    """Warm-up's empty steps are dispatched asynchronously; it returns only when they have run,
+    so a caller's first step does not wait behind them. Each warm-up prefill program here ends
+    in a host callback that sleeps, so its cache is not ready for a while after dispatch."""
+    import time
+
+    import jax
+
+    engine = Engine(tiny_model, None, EngineConfig(max_num_seqs=2, max_prefill_tokens=16,
+                                                   max_model_len=64, page_size=4))
+    steps = engine.runner.device_steps
+    prefill_step = steps.prefill_step
+
+    def sleep_then(x):
+        time.sleep(0.3)
+        return x
+
+    @jax.jit
+    def slow(cache):
+        return jax.tree.map(lambda a: jax.pure_callback(
+            sleep_then, jax.ShapeDtypeStruct(a.shape, a.dtype), a), cache)
+
+    def slow_prefill(cache, *args):
+        *out, cache = prefill_step(cache, *args)
+        return (*out, slow(cache))
+
+    steps.prefill_step = slow_prefill
+    engine.warmup()
+    leaves = jax.tree.leaves(engine.runner.cache)
+    assert all(leaf.is_ready() for leaf in leaves)
