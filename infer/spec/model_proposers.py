@@ -313,6 +313,7 @@ class _ModelProposer:
                     *_, self.cache = self._chain(self.cache, *inputs, jnp.asarray(zeros),
                                                  sampling, jnp.asarray(zeros), self.k, sampled)
                     count += 1
+        jax.block_until_ready(self.cache)  # as the runner's warm-up: nothing left queued
         return count
 
     # -- what a subclass provides ---------------------------------------------------------------

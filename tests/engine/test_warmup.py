@@ -156,18 +156,22 @@ def test_no_compilation_after_warmup(tiny_model, tiny_weights, case) -> None:
         assert any(r.kind == "mixed" for r in engine.step_records())
 
 
-def test_warmup_returns_once_its_steps_have_run(tiny_model) -> None:
+@pytest.mark.parametrize("proposer", [None, "eagle"])
+def test_warmup_returns_once_its_steps_have_run(tiny_model, tiny_weights, proposer) -> None:
     """Warm-up's empty steps are dispatched asynchronously; it returns only when they have run,
-    so a caller's first step does not wait behind them. Each warm-up prefill program here ends
-    in a host callback that sleeps, so its cache is not ready for a while after dispatch."""
+    so a caller's first step does not wait behind them: the runner's steps, and a model
+    proposer's, which keeps a cache of its own. Each warm-up prefill program here (the runner's,
+    or the proposer's) ends in a host callback that sleeps, so its cache is not ready for a
+    while after dispatch."""
     import time
 
     import jax
 
+    spec = (None if proposer is None else
+            SpeculativeConfig(proposer, 3, eagle_path=tiny_weights["eagle"]))
     engine = Engine(tiny_model, None, EngineConfig(max_num_seqs=2, max_prefill_tokens=16,
-                                                   max_model_len=64, page_size=4))
-    steps = engine.runner.device_steps
-    prefill_step = steps.prefill_step
+                                                   max_model_len=64, page_size=4,
+                                                   speculative=spec))
 
     def sleep_then(x):
         time.sleep(0.3)
@@ -178,11 +182,20 @@ def test_warmup_returns_once_its_steps_have_run(tiny_model) -> None:
         return jax.tree.map(lambda a: jax.pure_callback(
             sleep_then, jax.ShapeDtypeStruct(a.shape, a.dtype), a), cache)
 
-    def slow_prefill(cache, *args):
-        *out, cache = prefill_step(cache, *args)
-        return (*out, slow(cache))
+    if proposer is None:
+        steps = engine.runner.device_steps
+        prefill_step = steps.prefill_step
 
-    steps.prefill_step = slow_prefill
+        def slow_prefill(cache, *args):
+            *out, cache = prefill_step(cache, *args)
+            return (*out, slow(cache))
+
+        steps.prefill_step = slow_prefill
+        caches = lambda: engine.runner.cache
+    else:
+        drafter = engine.runner.proposer
+        forward = drafter._forward
+        drafter._forward = lambda cache, *args: slow(forward(cache, *args))
+        caches = lambda: drafter.cache
     engine.warmup()
-    leaves = jax.tree.leaves(engine.runner.cache)
-    assert all(leaf.is_ready() for leaf in leaves)
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(caches()))
