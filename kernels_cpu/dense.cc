@@ -14,11 +14,13 @@
 //
 // x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is multiplied in
 // pairs by VDPBF16PS where the CPU has it (AVX512-BF16), else widened to float32 in registers (a
-// shift or a mask); products accumulate in float32.
+// shift or a mask); products accumulate in float32. bfloat16 "kn" products of `tiles_from` rows
+// or more go to AMX tiles where the CPU has them (`kn_tiles`).
 //
 // Each output element is summed in an order fixed by K and the layout alone, never by the number
 // of rows or the split between threads, so a row's result is the same bits whether it is
-// multiplied alone or among others (tests/kernels/test_dense_cpu.py checks).
+// multiplied alone or among others (tests/kernels/test_dense_cpu.py checks); AMX tiles round
+// differently, so that holds among the row counts below `tiles_from` and among those from it.
 
 #include <immintrin.h>
 
@@ -31,6 +33,11 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "kernels_cpu/dense.cc needs AVX-512 F and BW; dense.py falls back to XLA without it"
 #endif
@@ -40,6 +47,21 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;
+
+// Tiles load 64-byte rows; buffers they read start on a cache line.
+template <typename T>
+struct AlignedAllocator {
+  using value_type = T;
+  AlignedAllocator() = default;
+  template <typename U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const AlignedAllocator&) const { return true; }
+  bool operator!=(const AlignedAllocator&) const { return false; }
+};
 
 // Register tiles are arrays indexed by loop counters; unrolled early, GCC keeps them in
 // registers instead of storing every accumulator to the stack on each step.
@@ -291,6 +313,9 @@ struct Operands {
   float* out;
   int64_t M, K, N;
   int64_t ldp = 0;  // "kn": the row stride of the partial sums (N padded to 32 columns)
+  // AMX tiles: the bfloat16 rows padded with zeros to whole tiles, [M to 16, K to 32].
+  const uint16_t* x_tiles = nullptr;
+  int64_t k_tiles = 0;  // K padded to 32
 };
 
 // Weight rows per "nk" tile: as many as leave the R x nb accumulators and the nb weight vectors
@@ -384,12 +409,12 @@ inline void column_order(Order order, __m512i& first, __m512i& second) {
   }
 }
 
-// Stores 32 sums (two vectors in partials_order<T>()) as output columns [c, min(c + 32, N)).
-template <typename T>
-inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) {
-  if constexpr (partials_order<T>() != Order::kColumns) {
+// Stores 32 sums (two vectors in `kOrder`) as output columns [c, min(c + 32, N)).
+template <Order kOrder>
+inline void store_ordered(float* row, int64_t c, int64_t N, __m512 a, __m512 b) {
+  if constexpr (kOrder != Order::kColumns) {
     __m512i first, second;
-    column_order(partials_order<T>(), first, second);
+    column_order(kOrder, first, second);
     const __m512 low = _mm512_permutex2var_ps(a, first, b);
     b = _mm512_permutex2var_ps(a, second, b);
     a = low;
@@ -401,6 +426,12 @@ inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) 
     _mm512_mask_storeu_ps(row + c, tail_mask(N - c), a);
     if (N - c > kLanes) _mm512_mask_storeu_ps(row + c + kLanes, tail_mask(N - c - kLanes), b);
   }
+}
+
+// The same for two vectors in partials_order<T>().
+template <typename T>
+inline void store_columns(float* row, int64_t c, int64_t N, __m512 a, __m512 b) {
+  store_ordered<partials_order<T>()>(row, c, N, a, b);
 }
 
 // out [M, N] = the blocks' partial sums [blocks, M, ldp] added in block order, each 32 columns
@@ -597,6 +628,157 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(INFER_DENSE_NO_AMX)
+#define INFER_DENSE_AMX 1
+// bfloat16 "kn" products on AMX tiles (Intel Xeon from Sapphire Rapids). A TDPBF16PS multiplies
+// a 16 x 32 tile of rows by a 32 x 16 tile of weight (stored as 16 rows of 16 column pairs: the
+// VNNI layout) into 16 x 16 float32 sums, 16,384 operations an instruction, where kn_strip's
+// VDPBF16PS does 32: from 9 rows, where kn_strip is bound by its multiplies, tiles are 1.3-1.8x
+// faster up to 48 rows (`python -m experiments.dense_cpu --variants=no_amx`). The weight is
+// stored [in, out], so each unit first packs a strip of 128 columns into pairs
+// (w[k][c], w[k + 1][c]) in a buffer of its own, row by row, the interleave kn_strip does in
+// registers; the tiles then read it from cache. That packing reads the weight at about half the
+// speed of the few-row passes (measured), so fewer rows stay on them, and even 16-48 rows run
+// at 7-11 GB/s, far from the read floor: a weight stored packed at load would remove it.
+//
+// Each sum takes its terms in order of k, 32 at a time, over all of K in one tile, whatever the
+// rows and threads, so a row's bits do not depend on the others. They are not the bits of the
+// VDPBF16PS paths: the AMX unit rounds its pairs' sums its own way (measured: 89-115 of 256 sums
+// equal to any sequential float32 model), so a row's bits differ between products of fewer
+// rows than `tiles_from` and of more: the caller picks (0 keeps the VDPBF16PS paths).
+constexpr int kTileRows = 16;      // rows of a tile of x and of sums
+constexpr int kTileDepth = 32;     // bfloat16 values of K a tile step: 64 bytes of a row
+constexpr int64_t kTileStrip = 128;  // output columns a unit: four 32-column groups
+
+// Linux hands the 8 KB of tile state only to a process that asks for it (ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: sums (0-3), x (4, 5) and packed weight (6, 7).
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Packs weight columns [c, c + 32 * groups) of rows [0, K) as, per 32-column group, `steps`
+// pairs of tiles in `pack` ([groups][steps][2][16 pairs][32]): tile 0 the group's columns
+// {0-3, 8-11, 16-19, 24-27}, tile 1 the rest, each row two weight rows interleaved (the unpack of
+// kn_strip, Order::kUnpacked). Rows and columns past the weight's are zeros. Each weight row's
+// strip is read whole before the next: a 32-column group a pass read memory at half the speed.
+void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t c, int groups, int64_t steps,
+                uint16_t* pack) {
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t group_size = steps * 2 * kTileRows * 32;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int p = 0; p < kTileRows; ++p) {
+      const int64_t k = s * kTileDepth + 2 * p;
+      const uint16_t* row = w + k * N;
+      for (int g = 0; g < groups; ++g) {
+        const int64_t col = c + 32 * g;
+        const __mmask32 mask = tail_mask32(N - col);
+        const __m512i a = k < K ? _mm512_maskz_loadu_epi16(mask, row + col) : zero;
+        const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(mask, row + N + col) : zero;
+        uint16_t* lo_tile = pack + g * group_size + s * 2 * kTileRows * 32;
+        _mm512_store_si512(lo_tile + p * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(lo_tile + (kTileRows + p) * 32, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+  }
+}
+
+// Sums of rows [m, m + 16 * kChunks) against one packed 32-column group, into `sums`
+// ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
+template <int kChunks>
+void tile_sums(const Operands<uint16_t>& o, int64_t m, int64_t k0, const uint16_t* pack,
+               int64_t steps, float* sums) {
+  const int64_t stride = o.k_tiles * int64_t(sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kChunks == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* lo = pack + s * 2 * kTileRows * 32;
+    _tile_loadd(4, o.x_tiles + m * o.k_tiles + k0 + s * kTileDepth, stride);
+    _tile_loadd(6, lo, 64);
+    _tile_loadd(7, lo + kTileRows * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kChunks == 2) {
+      _tile_loadd(5, o.x_tiles + (m + kTileRows) * o.k_tiles + k0 + s * kTileDepth, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t tile_floats = kTileRows * kTileRows;
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + tile_floats, 64);
+  if constexpr (kChunks == 2) {
+    _tile_stored(2, sums + 2 * tile_floats, 64);
+    _tile_stored(3, sums + 3 * tile_floats, 64);
+  }
+}
+
+// Output columns [128 s0, 128 s1) of every row: each strip packed once, then multiplied by the
+// rows 32 at a time, a 32-column group after another.
+void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
+  configure_tiles();
+  const int64_t steps = o.k_tiles / kTileDepth;
+  const int64_t group_size = steps * 2 * kTileRows * 32;
+  constexpr int kGroups = kTileStrip / 32;
+  thread_local std::vector<uint16_t, AlignedAllocator<uint16_t>> pack;
+  if (int64_t(pack.size()) < kGroups * group_size) pack.resize(kGroups * group_size);
+  alignas(64) float sums[2][2][kTileRows][kTileRows];
+  for (int64_t strip = s0; strip < s1; ++strip) {
+    const int64_t c0 = strip * kTileStrip;
+    const int groups = int(std::min<int64_t>(kGroups, (o.N - c0 + 31) / 32));
+    pack_pairs(o.w, o.K, o.N, c0, groups, steps, pack.data());
+    for (int g = 0; g < groups; ++g) {
+      const int64_t c = c0 + 32 * g;
+      const uint16_t* group = pack.data() + g * group_size;
+      for (int64_t m = 0; m < o.M; m += 2 * kTileRows) {
+        if (m + kTileRows < o.M)
+          tile_sums<2>(o, m, 0, group, steps, &sums[0][0][0][0]);
+        else
+          tile_sums<1>(o, m, 0, group, steps, &sums[0][0][0][0]);
+        for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, o.M - m); ++r) {
+          const int64_t chunk = r / kTileRows, row = r % kTileRows;
+          store_ordered<Order::kUnpacked>(o.out + (m + r) * o.N, c, o.N,
+                                          _mm512_load_ps(sums[chunk][0][row]),
+                                          _mm512_load_ps(sums[chunk][1][row]));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x as whole tiles: [M, K] bfloat16 into [M to 16, K to 32], zeros around.
+std::vector<uint16_t, AlignedAllocator<uint16_t>> rows_as_tiles(const uint16_t* x, int64_t M,
+                                                                 int64_t K, int64_t k_tiles) {
+  const int64_t m_tiles = (M + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> tiles(m_tiles * k_tiles, 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(&tiles[m * k_tiles], x + m * K, K * 2);
+  return tiles;
+}
+#endif
+
 // Weights smaller than this are multiplied on the calling thread: handing half of a few hundred
 // kilobytes to another thread costs about what it saves.
 constexpr int64_t kParallelBytes = 512 * 1024;
@@ -604,7 +786,7 @@ constexpr int64_t kParallelBytes = 512 * 1024;
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
 // kTiledRows rows or more, a 32-column strip of its output.
-enum class Split { kNkRows, kKnBlocks, kKnStrips };
+enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles };
 
 template <typename T>
 void run_units(const Operands<T>& o, float* partials, Split split, int64_t first, int64_t last) {
@@ -612,6 +794,14 @@ void run_units(const Operands<T>& o, float* partials, Split split, int64_t first
     kn_strips(o, first, last);
     return;
   }
+#if defined(INFER_DENSE_AMX)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (split == Split::kKnTiles) {
+      kn_tiles(o, first, last);
+      return;
+    }
+  }
+#endif
   for (int64_t u = first; u < last; ++u) {
     if (split == Split::kNkRows) {
       all_rows(o, true, u * kNkUnit, std::min(kNkUnit, o.N - u * kNkUnit));
@@ -638,18 +828,39 @@ struct Product {
 // on their own (a key projection: 221 KB in bfloat16) share the threads with the rest. Each
 // product's units and sums are those of the product alone, so its bits are too.
 template <typename T>
-void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool nk) {
+void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool nk,
+              int64_t tiles_from) {
   const int64_t M = ops.front().M;
-  const Split split = nk ? Split::kNkRows : (M >= kTiledRows ? Split::kKnStrips
-                                                             : Split::kKnBlocks);
+  Split split = nk ? Split::kNkRows : (M >= kTiledRows ? Split::kKnStrips : Split::kKnBlocks);
+#if defined(INFER_DENSE_AMX)
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> x_tiles;
+  int64_t k_tiles = 0;
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (!nk && tiles_from > 0 && M >= tiles_from && tiles_permitted()) {
+      split = Split::kKnTiles;
+      const int64_t K = ops.front().K;
+      k_tiles = (K + kTileDepth - 1) / kTileDepth * kTileDepth;
+      x_tiles = rows_as_tiles(ops.front().x16, M, K, k_tiles);
+    }
+  }
+#else
+  (void)tiles_from;
+#endif
   std::vector<Product<T>> products(ops.size());
   int64_t units = 0, scratch_floats = 0, weight_bytes = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
     Product<T>& p = products[i];
     p.o = ops[i];
+#if defined(INFER_DENSE_AMX)
+    p.o.x_tiles = x_tiles.data();
+    p.o.k_tiles = k_tiles;
+#endif
     const Operands<T>& o = ops[i];
-    p.units = split == Split::kNkRows ? (o.N + kNkUnit - 1) / kNkUnit
+    p.units = split == Split::kNkRows    ? (o.N + kNkUnit - 1) / kNkUnit
               : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
+#if defined(INFER_DENSE_AMX)
+              : split == Split::kKnTiles ? (o.N + kTileStrip - 1) / kTileStrip
+#endif
                                           : (o.K + kKnBlockRows - 1) / kKnBlockRows;
     p.first = units;
     units += p.units;
@@ -688,7 +899,7 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
 
 // out_i = x times w_i for each weight w_i (all of one dtype and layout), in one call.
 ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs weights,
-                      ffi::RemainingRets outs, bool nk) {
+                      ffi::RemainingRets outs, bool nk, int64_t tiles_from) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("dense_cpu: x must be [M, K]");
   if (weights.size() == 0 || weights.size() != outs.size())
@@ -726,7 +937,7 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
       for (size_t i = 0; i < ws.size(); ++i)
         ops.push_back({static_cast<const float*>(x.untyped_data()), nullptr,
                        static_cast<const float*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
-      multiply(pool, ops, nk);
+      multiply(pool, ops, nk, tiles_from);
       return ffi::Error::Success();
     }
     case ffi::DataType::BF16: {
@@ -745,7 +956,7 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
       for (size_t i = 0; i < ws.size(); ++i)
         ops.push_back({xf.empty() ? nullptr : xf.data(), xb,
                        static_cast<const uint16_t*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
-      multiply(pool, ops, nk);
+      multiply(pool, ops, nk, tiles_from);
       return ffi::Error::Success();
     }
     default:
@@ -761,4 +972,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InferDenseCpu, dense_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<bool>("nk"));
+                                  .Attr<bool>("nk")
+                                  .Attr<int64_t>("tiles_from"));

@@ -3,6 +3,9 @@ tail (K and N off the 16- and 32-lane tiles, 1 to 40 rows: the few-row passes an
 register tiles with their tails, weights large enough to be split between threads), both layouts and both dtypes; a row's bits independent of the other rows and
 of the thread split; gradients; errors; and `dense` taking it exactly where ROWS says.
 
+On a CPU with AMX, bfloat16 [in, out] products of TILES_FROM rows or more take AMX tiles:
+their own shapes' test, and the bit-for-bit checks per path.
+
 The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
 `dense` keeps XLA's product (tests/model/test_dense.py covers that path)."""
 
@@ -66,7 +69,7 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
     target = dense_cpu.KERNEL.register(("-mno-avx512bf16",))
 
     def without_bf16(x, w, layout):
-        return dense_cpu._call(x, (w,), layout, target)[0]
+        return dense_cpu._call(x, (w,), layout, target, tiles_from=0)[0]
 
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
@@ -85,26 +88,63 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
             assert np.array_equal(np.asarray(alone[0]), np.asarray(got[row])), (seed, layout)
 
 
+def _multiply_with_tiles_from(tiles_from: int):
+    return jax.jit(lambda x, w, layout: dense_cpu._call(x, (w,), layout,
+                                                        tiles_from=tiles_from)[0],
+                   static_argnums=2)
+
+
+@pytest.mark.parametrize("tiles_from", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", dense_cpu.LAYOUTS)
-def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout, dtype) -> None:
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout, dtype,
+                                                                          tiles_from) -> None:
     """Row i of an M-row call is the one-row call's result bit for bit, and so is any column
     slice of it computed on its own (a different N, so a different split between threads and
     tiles). From 9 rows an [in, out] product takes the kernel's register tiles, so this also
-    holds one path to the other. A NaN in one row stays in that row."""
+    holds one path to the other; with tiles_from=1 on a CPU with AMX every bfloat16 [in, out]
+    product takes AMX tiles, at one row as at 30. A NaN in one row stays in that row."""
+    multiply_ = _multiply_with_tiles_from(tiles_from)
     rng = np.random.default_rng(7)
     for m, k, n in [(9, 577, 1100), (4, 64, 50), (13, 300, 700), (30, 1537, 611)]:
         x, w = _operands(rng, m, k, n, layout, dtype)
         x = x.at[2, 5].set(jnp.nan)
-        whole = np.asarray(multiply(x, w, layout))
+        whole = np.asarray(multiply_(x, w, layout))
         assert np.isnan(whole[2]).all() and not np.isnan(np.delete(whole, 2, axis=0)).any()
         for i in range(m):
-            np.testing.assert_array_equal(np.asarray(multiply(x[i:i + 1], w, layout))[0],
+            np.testing.assert_array_equal(np.asarray(multiply_(x[i:i + 1], w, layout))[0],
                                           whole[i])
         for lo, hi in [(0, 17), (n // 3, n - 5), (n - 1, n)]:
             part = w[lo:hi] if layout == "nk" else w[:, lo:hi]
-            np.testing.assert_array_equal(np.asarray(multiply(x, part, layout)),
+            np.testing.assert_array_equal(np.asarray(multiply_(x, part, layout)),
                                           whole[:, lo:hi])
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_flags().split(), reason="needs a CPU with AMX-BF16")
+def test_amx_tiles_match_the_exact_product_and_keep_a_rows_bits_among_tiled_calls() -> None:
+    """bfloat16 [in, out] products from TILES_FROM rows go to AMX tiles here: random shapes
+    with every tail (K off the 32-deep tile steps, N off the 128-column strips and 32-column
+    groups, rows off the 16-row tiles and 32-row pairs of tiles, weights below and above the
+    threading threshold) match the exact product, and a row's bits among other rows are its
+    bits among any other set of rows of a tiled call."""
+    assert dense_cpu.TILES_FROM == (0 if dense_cpu.BATCH_INVARIANT else dense_cpu.TILES_AMX)
+    tiled = _multiply_with_tiles_from(dense_cpu.TILES_AMX)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for trial in range(16):
+        m = int(rng.choice([9, 16, 17, 32, 33, int(rng.integers(9, 80))]))
+        k = int(rng.choice([31, 32, 33, 96, 97, int(rng.integers(1, 1600))]))
+        n = int(rng.choice([1, 31, 33, 127, 129, int(rng.integers(1, 1300))]))
+        if trial % 4 == 0:  # past the threading threshold
+            k, n = int(rng.integers(500, 700)), int(rng.integers(600, 1300))
+        x, w = _operands(rng, m, k, n, "kn", jnp.bfloat16)
+        got = tiled(x, w, "kn")
+        _assert_close(got, x, w, "kn")
+        row = int(rng.integers(0, m))
+        others = jnp.asarray(rng.standard_normal((int(rng.integers(8, 40)), k), np.float32))
+        mixed = jnp.concatenate([others, x[row:row + 1]]).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(tiled(mixed, w, "kn"))[-1],
+                                      np.asarray(got[row]), err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -213,11 +253,18 @@ def test_rows_table_follows_the_cpus_amx_flag() -> None:
         for layout in dense_cpu.LAYOUTS:
             for dtype in dense_cpu.DTYPES:
                 assert set(range(1, 5)) <= set(table[(layout, dtype)]), (layout, dtype)
-    assert 16 not in dense_cpu.ROWS_AMX[("kn", jnp.dtype(jnp.bfloat16))]
+    assert 16 not in dense_cpu.ROWS_AMX[("nk", jnp.dtype(jnp.bfloat16))]
     for flags in (line.format("amx_bf16"), line.format("")):
         table = dense_cpu.rows_for(flags, batch_invariant=True)
         assert all(table[key] == range(1, 1 << 31) for key in dense_cpu.ROWS_AVX512)
+        assert dense_cpu.tiles_from_for(flags, batch_invariant=True) == 0
     assert dense_cpu.ROWS is dense_cpu.rows_for(cpu_flags(), dense_cpu.BATCH_INVARIANT)
+    # AMX tiles take the batched bfloat16 [in, out] products where the CPU has them.
+    assert dense_cpu.tiles_from_for(line.format("amx_tile amx_bf16")) == dense_cpu.TILES_AMX > 1
+    for other in ("amx_tile", "amx_bf16x", ""):
+        assert dense_cpu.tiles_from_for(line.format(other)) == 0
+    assert dense_cpu.TILES_FROM == dense_cpu.tiles_from_for(cpu_flags(),
+                                                            dense_cpu.BATCH_INVARIANT)
 
 
 BATCH_INVARIANT_CHECK = """
@@ -274,9 +321,9 @@ def test_dense_group_is_dense_per_weight_in_one_call() -> None:
     from infer.model.llama import dense, dense_group
 
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
-    past = max(dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]) + 1
     for dtype in (jnp.float32, jnp.bfloat16):
-        for m in (1, 4, 12, past):
+        past = max(dense_cpu.ROWS[("kn", jnp.dtype(dtype))]) + 1
+        for m in (1, 4, 12, *([past] if past < 4096 else [])):
             x = jnp.asarray(rng.standard_normal((1, m, 64), np.float32))
             ws = tuple(jnp.asarray(rng.standard_normal((64, n), np.float32)).astype(dtype)
                        for n in (96, 32, 32))
