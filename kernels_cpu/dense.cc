@@ -633,13 +633,15 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
 // bfloat16 "kn" products on AMX tiles (Intel Xeon from Sapphire Rapids). A TDPBF16PS multiplies
 // a 16 x 32 tile of rows by a 32 x 16 tile of weight (stored as 16 rows of 16 column pairs: the
 // VNNI layout) into 16 x 16 float32 sums, 16,384 operations an instruction, where kn_strip's
-// VDPBF16PS does 32: from 9 rows, where kn_strip is bound by its multiplies, tiles are 1.3-1.8x
-// faster up to 48 rows (`python -m experiments.dense_cpu --variants=no_amx`). The weight is
+// VDPBF16PS does 32: from 9 rows, where kn_strip is bound by its multiplies, tiles are 1.3-2.4x
+// faster at 9-48 rows (`python -m experiments.dense_cpu --variants=no_amx`). The weight is
 // stored [in, out], so each unit first packs a strip of 128 columns into pairs
 // (w[k][c], w[k + 1][c]) in a buffer of its own, row by row, the interleave kn_strip does in
 // registers; the tiles then read it from cache. That packing reads the weight at about half the
 // speed of the few-row passes (measured), so fewer rows stay on them, and even 16-48 rows run
 // at 7-11 GB/s, far from the read floor: a weight stored packed at load would remove it.
+// (Packing each weight whole first, 32 rows a unit read front to back, then multiplying the
+// strips from it, was slower still at 9-32 rows: 24-28 ms against 19-27 for 30 layers.)
 //
 // Each sum takes its terms in order of k, 32 at a time, over all of K in one tile, whatever the
 // rows and threads, so a row's bits do not depend on the others. They are not the bits of the
@@ -704,8 +706,8 @@ void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t c, int groups, 
 // Sums of rows [m, m + 16 * kChunks) against one packed 32-column group, into `sums`
 // ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
 template <int kChunks>
-void tile_sums(const Operands<uint16_t>& o, int64_t m, int64_t k0, const uint16_t* pack,
-               int64_t steps, float* sums) {
+void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int64_t steps,
+               float* sums) {
   const int64_t stride = o.k_tiles * int64_t(sizeof(uint16_t));
   _tile_zero(0);
   _tile_zero(1);
@@ -715,13 +717,13 @@ void tile_sums(const Operands<uint16_t>& o, int64_t m, int64_t k0, const uint16_
   }
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* lo = pack + s * 2 * kTileRows * 32;
-    _tile_loadd(4, o.x_tiles + m * o.k_tiles + k0 + s * kTileDepth, stride);
+    _tile_loadd(4, o.x_tiles + m * o.k_tiles + s * kTileDepth, stride);
     _tile_loadd(6, lo, 64);
     _tile_loadd(7, lo + kTileRows * 32, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kChunks == 2) {
-      _tile_loadd(5, o.x_tiles + (m + kTileRows) * o.k_tiles + k0 + s * kTileDepth, stride);
+      _tile_loadd(5, o.x_tiles + (m + kTileRows) * o.k_tiles + s * kTileDepth, stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -754,9 +756,9 @@ void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
       const uint16_t* group = pack.data() + g * group_size;
       for (int64_t m = 0; m < o.M; m += 2 * kTileRows) {
         if (m + kTileRows < o.M)
-          tile_sums<2>(o, m, 0, group, steps, &sums[0][0][0][0]);
+          tile_sums<2>(o, m, group, steps, &sums[0][0][0][0]);
         else
-          tile_sums<1>(o, m, 0, group, steps, &sums[0][0][0][0]);
+          tile_sums<1>(o, m, group, steps, &sums[0][0][0][0]);
         for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, o.M - m); ++r) {
           const int64_t chunk = r / kTileRows, row = r % kTileRows;
           store_ordered<Order::kUnpacked>(o.out + (m + r) * o.N, c, o.N,
