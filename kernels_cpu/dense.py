@@ -73,8 +73,8 @@ ROWS_AVX512 = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
 # XLA time, bfloat16 vocabulary projection 0.67 at 4 rows, 1.3 at 5, 1.6 at 8; float32
 # vocabulary projection 0.95 at 20 rows, 1.03 at 24, 1.12 at 32; float32 layers ahead or tied
 # up to 128 rows. bfloat16 layers: 0.97 at 12 rows, 3.1 at 128 with the VDPBF16PS tiles alone;
-# with AMX tiles from TILES_AMX rows, 0.68-0.79 from 10 to 48 rows, 0.95 at 128, 0.97 at 192,
-# 1.03 at 256.
+# with AMX tiles from TILES_AMX rows (`--variants=no_amx`, results/dense_cpu_amx_tiles.jsonl),
+# 0.66-0.83 from 9 to 48 rows, 0.88 at 64, 0.99 at 128, 0.97 at 192, 1.06 at 256.
 ROWS_AMX = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
             ("kn", jnp.dtype(jnp.bfloat16)): range(1, 193),
             ("nk", jnp.dtype(jnp.float32)): range(1, 21),
