@@ -28,7 +28,8 @@ from absl import flags
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 # Builds of the kernel with a part turned off, for what that part is worth (`--variants`).
 VARIANTS = {"no_line_walk": ("-DINFER_DENSE_NO_LINE_WALK",),
-            "no_amx": ("-DINFER_DENSE_NO_AMX",)}
+            "no_amx": ("-DINFER_DENSE_NO_AMX",),
+            "no_pack_ahead": ("-DINFER_DENSE_NO_PACK_AHEAD",)}
 flags.DEFINE_list("rows", ["1", "2", "3", "4", "5", "8"], "activation rows M", flag_values=FLAGS)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes", flag_values=FLAGS)
 flags.DEFINE_list("layouts", ["kn", "nk"], "workloads: weight layouts kn and nk, or layer",
