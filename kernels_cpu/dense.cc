@@ -692,9 +692,10 @@ void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t c, int groups, 
       const int64_t k = s * kTileDepth + 2 * p;
       const uint16_t* row = w + k * N;
 #if !defined(INFER_DENSE_NO_PACK_AHEAD)
-      // The same columns kPackAhead rows on, into L2: 7-14% faster at 16-32 rows than without
-      // (`--variants=no_pack_ahead`). Scratch builds: 32, 64 or 192 rows ahead did as well or
-      // a little less, 8-32 rows ahead into L1 and the next strip's columns hardly at all.
+      // The same columns kPackAhead rows on, into L2: 0-8% faster at 9-128 rows than without
+      // (`--variants=no_pack_ahead`, median of 5; 7-14% at 16-32 rows in two scratch runs).
+      // Scratch builds: 32, 64 or 192 rows ahead did as well or a little less, 8-32 rows ahead
+      // into L1 and the next strip's columns hardly at all.
       if (k + kPackAhead + 1 < K)
         for (int g = 0; g < groups; ++g)
           for (int64_t ahead = kPackAhead; ahead < kPackAhead + 2; ++ahead)
