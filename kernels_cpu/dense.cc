@@ -14,8 +14,8 @@
 //
 // x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is multiplied in
 // pairs by VDPBF16PS where the CPU has it (AVX512-BF16), else widened to float32 in registers (a
-// shift or a mask); products accumulate in float32. bfloat16 "kn" products of `tiles_from` rows
-// or more go to AMX tiles where the CPU has them (`kn_tiles`).
+// shift or a mask); products accumulate in float32. bfloat16 products of `tiles_from` rows or
+// more go to AMX tiles where the CPU has them (`kn_tiles`, `nk_tiles`).
 //
 // Each output element is summed in an order fixed by K and the layout alone, never by the number
 // of rows or the split between threads, so a row's result is the same bits whether it is
@@ -783,6 +783,100 @@ void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
   _tile_release();
 }
 
+// "nk" (the vocabulary projection, [N, K]) on AMX tiles: the weight's rows are a tile's rows as
+// stored (16 weight rows x 32 values of K), so no packing; x goes in pair layout instead
+// (`rows_as_pairs`). Each unit is 32 weight rows, multiplied by every row of x 32 at a time;
+// sums come out [weight row][x row] and are stored transposed. Each sum takes its terms in
+// order of k, 32 at a time, over all of K; the last unit's rows past N are zeros (a copy).
+constexpr int64_t kNkTileUnit = 32;
+
+// x [M, K] as B tiles: per 16 rows of x and 32 values of K, 16 rows of pairs, each row
+// (x[m][2p], x[m][2p + 1]) for the 16 m: [M to 16 / 16][K / 32][16 pairs][16 m][2].
+std::vector<uint16_t, AlignedAllocator<uint16_t>> rows_as_pairs(const uint16_t* x, int64_t M,
+                                                                  int64_t K) {
+  const int64_t chunks = (M + kTileRows - 1) / kTileRows, steps = K / kTileDepth;
+  std::vector<uint16_t, AlignedAllocator<uint16_t>> pairs(chunks * steps * kTileRows * 32, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t c = m / kTileRows, s = k / kTileDepth, p = (k % kTileDepth) / 2;
+      pairs[((c * steps + s) * kTileRows + p) * 32 + (m % kTileRows) * 2 + (k & 1)] =
+          x[m * K + k];
+    }
+  return pairs;
+}
+
+// 32 weight rows from `rows` against x rows [m, m + 16 * kChunks): sums [2 * kChunks][16][16],
+// per (weight-row half, x chunk) a tile [weight row][x row].
+template <int kChunks>
+void nk_tile_sums(const Operands<uint16_t>& o, const uint16_t* rows, int64_t m, float* sums) {
+  const int64_t steps = o.K / kTileDepth, stride = o.K * int64_t(sizeof(uint16_t));
+  const uint16_t* b0 = o.x_tiles + (m / kTileRows) * steps * kTileRows * 32;
+  const uint16_t* b1 = b0 + steps * kTileRows * 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kChunks == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, rows + s * kTileDepth, stride);
+    _tile_loadd(5, rows + kTileRows * o.K + s * kTileDepth, stride);
+    _tile_loadd(6, b0 + s * kTileRows * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (kChunks == 2) {
+      _tile_loadd(7, b1 + s * kTileRows * 32, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t tile_floats = kTileRows * kTileRows;
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + tile_floats, 64);
+  if constexpr (kChunks == 2) {
+    _tile_stored(2, sums + 2 * tile_floats, 64);
+    _tile_stored(3, sums + 3 * tile_floats, 64);
+  }
+}
+
+// Units [u0, u1) of 32 weight rows, every x row.
+void nk_tiles(const Operands<uint16_t>& o, int64_t u0, int64_t u1) {
+  configure_tiles();
+  alignas(64) float sums[4][kTileRows][kTileRows];
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kTileRows));
+  thread_local std::vector<uint16_t, AlignedAllocator<uint16_t>> last;  // the last unit, padded
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t n = u * kNkTileUnit, count = std::min(kNkTileUnit, o.N - n);
+    const uint16_t* rows = o.w + n * o.K;
+    if (count < kNkTileUnit) {
+      last.assign(kNkTileUnit * o.K, 0);
+      std::memcpy(last.data(), rows, count * o.K * sizeof(uint16_t));
+      rows = last.data();
+    }
+    for (int64_t m = 0; m < o.M; m += 2 * kTileRows) {
+      if (m + kTileRows < o.M)
+        nk_tile_sums<2>(o, rows, m, &sums[0][0][0]);
+      else
+        nk_tile_sums<1>(o, rows, m, &sums[0][0][0]);
+      for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, o.M - m); ++r) {
+        const int chunk = int(r / kTileRows), row = int(r % kTileRows);
+        for (int half = 0; half < 2 && half * kTileRows < count; ++half) {
+          // Tile (half, chunk): sums[weight row][x row]; x row `row` is its column.
+          const float* tile = &sums[chunk * 2 + half][0][0];
+          _mm512_mask_storeu_ps(o.out + (m + r) * o.N + n + half * kTileRows,
+                                tail_mask(count - half * kTileRows),
+                                _mm512_i32gather_ps(_mm512_add_epi32(column,
+                                                                     _mm512_set1_epi32(row)),
+                                                    tile, 4));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
 // x as whole tiles: [M, K] bfloat16 into [M to 16, K to 32], zeros around.
 std::vector<uint16_t, AlignedAllocator<uint16_t>> rows_as_tiles(const uint16_t* x, int64_t M,
                                                                  int64_t K, int64_t k_tiles) {
@@ -800,7 +894,7 @@ constexpr int64_t kParallelBytes = 512 * 1024;
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
 // kTiledRows rows or more, a 32-column strip of its output.
-enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles };
+enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles, kNkTiles };
 
 template <typename T>
 void run_units(const Operands<T>& o, float* partials, Split split, int64_t first, int64_t last) {
@@ -812,6 +906,10 @@ void run_units(const Operands<T>& o, float* partials, Split split, int64_t first
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (split == Split::kKnTiles) {
       kn_tiles(o, first, last);
+      return;
+    }
+    if (split == Split::kNkTiles) {
+      nk_tiles(o, first, last);
       return;
     }
   }
@@ -850,11 +948,17 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
   std::vector<uint16_t, AlignedAllocator<uint16_t>> x_tiles;
   int64_t k_tiles = 0;
   if constexpr (std::is_same_v<T, uint16_t>) {
+    const int64_t K = ops.front().K;
     if (!nk && tiles_from > 0 && M >= tiles_from && tiles_permitted()) {
       split = Split::kKnTiles;
-      const int64_t K = ops.front().K;
       k_tiles = (K + kTileDepth - 1) / kTileDepth * kTileDepth;
       x_tiles = rows_as_tiles(ops.front().x16, M, K, k_tiles);
+    } else if (nk && K % kTileDepth == 0 && tiles_from > 0 && M >= tiles_from &&
+               tiles_permitted()) {
+      // Tiles read the weight's rows as stored, 32 values of K a step: K must be whole steps.
+      split = Split::kNkTiles;
+      k_tiles = K;
+      x_tiles = rows_as_pairs(ops.front().x16, M, K);
     }
   }
 #else
@@ -874,6 +978,7 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
               : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
 #if defined(INFER_DENSE_AMX)
               : split == Split::kKnTiles ? (o.N + kTileStrip - 1) / kTileStrip
+              : split == Split::kNkTiles ? (o.N + kNkTileUnit - 1) / kNkTileUnit
 #endif
                                           : (o.K + kKnBlockRows - 1) / kKnBlockRows;
     p.first = units;

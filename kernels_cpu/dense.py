@@ -10,15 +10,15 @@ dtype.
 
 `dense.cc` streams each weight once and multiplies every row against it, with float32
 accumulation; bfloat16 pairs are multiplied by VDPBF16PS where the CPU has it, else widened in
-registers, and batched bfloat16 [in, out] products (TILES_FROM rows or more) on AMX tiles where
-the CPU has them. It is built on first use (`kernels_cpu.build`); without AVX-512 or a compiler,
+registers, and batched bfloat16 products (TILES_FROM rows or more) on AMX tiles where the CPU
+has them. It is built on first use (`kernels_cpu.build`); without AVX-512 or a compiler,
 `available()` is False and `infer.model.llama.dense` keeps XLA's product.
 `INFER_CPU_KERNELS=0` turns it off, to measure XLA's product against it;
 `INFER_BATCH_INVARIANT=1` gives it every product (`rows_for`).
 
 Each output element is summed in an order fixed by K and the layout alone, so a row's result
 does not depend on which other rows share the call (batch invariance), except that on AMX a
-bfloat16 [in, out] row differs between calls of fewer and of TILES_FROM or more rows
+bfloat16 row differs between calls of fewer and of TILES_FROM or more rows
 (`INFER_BATCH_INVARIANT=1` turns the tiles off).
 
 `reference` is the jnp product it must equal, `multiply` the kernel (`multiply_group`: one
@@ -57,8 +57,8 @@ def available() -> bool:
 # by `python -m experiments.dense_cpu` on each kind of machine it has run on. XLA:CPU hands its
 # dots to YNNPACK, which multiplies bfloat16 on AMX tiles where the CPU has them (the flag
 # amx_bf16): there XLA's bfloat16 GEMMs passed the kernel's VDPBF16PS register tiles from 14
-# rows of a layer's [in, out] products (until the kernel used AMX tiles itself, TILES_FROM) and
-# pass them from 5 rows of the vocabulary projection.
+# rows of a layer's [in, out] products and from 5 rows of the vocabulary projection, until the
+# kernel used AMX tiles itself (TILES_FROM).
 #
 # AMD EPYC (Zen 4, AVX512-BF16, no AMX): `--rows=1,8,12,16,32,64,128,256 --layouts=kn` after
 # the register tiles, the [N, K] rows and 2-7 [in, out] rows from earlier runs. [in, out]
@@ -70,7 +70,8 @@ ROWS_AVX512 = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
                ("nk", jnp.dtype(jnp.float32)): range(1, 33),
                ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
 # Intel Xeon with AMX-BF16 (2 cores; 2026-12-05, `--layouts=layer,nk`, rows 1-128): kernel over
-# XLA time, bfloat16 vocabulary projection 0.67 at 4 rows, 1.3 at 5, 1.6 at 8; float32
+# XLA time, bfloat16 vocabulary projection 0.67 at 4 rows, 1.3 at 5, 1.6 at 8 (with AMX tiles
+# from TILES_AMX rows 0.52-0.87 from 1 to 128 rows); float32
 # vocabulary projection 0.95 at 20 rows, 1.03 at 24, 1.12 at 32; float32 layers ahead or tied
 # up to 128 rows. bfloat16 layers: 0.97 at 12 rows, 3.1 at 128 with the VDPBF16PS tiles alone;
 # with AMX tiles from TILES_AMX rows (`--variants=no_amx`, results/dense_cpu_amx_tiles.jsonl),
@@ -78,7 +79,7 @@ ROWS_AVX512 = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
 ROWS_AMX = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
             ("kn", jnp.dtype(jnp.bfloat16)): range(1, 193),
             ("nk", jnp.dtype(jnp.float32)): range(1, 21),
-            ("nk", jnp.dtype(jnp.bfloat16)): range(1, 5)}
+            ("nk", jnp.dtype(jnp.bfloat16)): range(1, 129)}
 
 
 # Every row count to the kernel: a row's bits then never depend on the step it is in (the kernel
@@ -103,21 +104,23 @@ def rows_for(flags: str, batch_invariant: bool = False) -> dict[tuple[str, jnp.d
 
 ROWS = rows_for(cpu_flags(), BATCH_INVARIANT)
 
-# The row count from which bfloat16 [in, out] products go to AMX tiles: 9, where the VDPBF16PS
-# path turns multiply-bound (measured: the two tie at 8 rows, tiles 1.3x at 10 and 1.8x at 24;
-# at 1-4 rows tiles are 1.4-1.9x slower, because packing the weight into tile pairs reads it
-# at about half the speed of the few-row passes).
-TILES_AMX = 9
+# The row counts from which bfloat16 products go to AMX tiles, per layout. [in, out]: 9, where
+# the VDPBF16PS path turns multiply-bound (measured: the two tie at 8 rows, tiles 1.3x at 10 and
+# 1.8x at 24; at 1-4 rows tiles are 1.4-1.9x slower, because packing the weight into tile pairs
+# reads it at about half the speed of the few-row passes). [N, K]: 4, where the tiles, which
+# read the weight's rows as stored, pass the VDPBF16PS dot products (0.97x at 1 row, 0.82x at
+# 2, 1.1x at 4, 2.2x at 8, 4.8x at 32; results/dense_cpu_amx_tiles.jsonl).
+TILES_AMX = {"kn": 9, "nk": 4}
 
 
-def tiles_from_for(flags: str, batch_invariant: bool = False) -> int:
-    """The `tiles_from` the kernel is called with: TILES_AMX where /proc/cpuinfo lists
-    amx_bf16, else 0 (never). AMX tiles round a pair's sum their own way, so a row's bits then
-    differ between products of fewer rows and of TILES_AMX or more; `batch_invariant` keeps
-    the VDPBF16PS paths (0)."""
+def tiles_from_for(flags: str, batch_invariant: bool = False) -> dict[str, int]:
+    """The `tiles_from` the kernel is called with, per layout: TILES_AMX where /proc/cpuinfo
+    lists amx_bf16, else 0 (never). AMX tiles round a pair's sum their own way, so a row's bits
+    then differ between products of fewer rows and of the layout's tiles_from or more;
+    `batch_invariant` keeps the VDPBF16PS paths (0)."""
     if batch_invariant or "amx_bf16" not in flags.split():
-        return 0
-    return TILES_AMX
+        return {layout: 0 for layout in LAYOUTS}
+    return dict(TILES_AMX)
 
 
 TILES_FROM = tiles_from_for(cpu_flags(), BATCH_INVARIANT)
@@ -153,13 +156,13 @@ def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
 def _call(x: jax.Array, weights: Sequence[jax.Array], layout: str, target: str = TARGET,
           tiles_from: int | None = None) -> tuple[jax.Array, ...]:
     """The kernel's custom call, x times each weight in one call; `target` names another build
-    (`KERNEL.register(flags)`); bfloat16 [in, out] products of `tiles_from` rows or more go to
-    AMX tiles where the build has them (0: never; default TILES_FROM)."""
+    (`KERNEL.register(flags)`); bfloat16 products of `tiles_from` rows or more go to AMX tiles
+    where the build has them (0: never; default TILES_FROM[layout])."""
     if not available():
         raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
     outs = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if layout == "nk" else w.shape[1]),
                                       jnp.float32) for w in weights)
-    tiles_from = TILES_FROM if tiles_from is None else tiles_from
+    tiles_from = TILES_FROM[layout] if tiles_from is None else tiles_from
     return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
         x, *weights, nk=layout == "nk", tiles_from=np.int64(tiles_from)))
 

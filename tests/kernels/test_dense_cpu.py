@@ -3,7 +3,7 @@ tail (K and N off the 16- and 32-lane tiles, 1 to 40 rows: the few-row passes an
 register tiles with their tails, weights large enough to be split between threads), both layouts and both dtypes; a row's bits independent of the other rows and
 of the thread split; gradients; errors; and `dense` taking it exactly where ROWS says.
 
-On a CPU with AMX, bfloat16 [in, out] products of TILES_FROM rows or more take AMX tiles:
+On a CPU with AMX, bfloat16 products of TILES_FROM rows or more take AMX tiles:
 their own shapes' test, and the bit-for-bit checks per path.
 
 The kernel needs an x86-64 CPU with AVX-512 and a C++ compiler; elsewhere these tests skip and
@@ -102,8 +102,8 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout,
     """Row i of an M-row call is the one-row call's result bit for bit, and so is any column
     slice of it computed on its own (a different N, so a different split between threads and
     tiles). From 9 rows an [in, out] product takes the kernel's register tiles, so this also
-    holds one path to the other; with tiles_from=1 on a CPU with AMX every bfloat16 [in, out]
-    product takes AMX tiles, at one row as at 30. A NaN in one row stays in that row."""
+    holds one path to the other; with tiles_from=1 on a CPU with AMX every bfloat16 product
+    takes AMX tiles, at one row as at 30. A NaN in one row stays in that row."""
     multiply_ = _multiply_with_tiles_from(tiles_from)
     rng = np.random.default_rng(7)
     for m, k, n in [(9, 577, 1100), (4, 64, 50), (13, 300, 700), (30, 1537, 611)]:
@@ -122,29 +122,38 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_split(layout,
 
 @pytest.mark.skipif("amx_bf16" not in cpu_flags().split(), reason="needs a CPU with AMX-BF16")
 def test_amx_tiles_match_the_exact_product_and_keep_a_rows_bits_among_tiled_calls() -> None:
-    """bfloat16 [in, out] products from TILES_FROM rows go to AMX tiles here: random shapes
-    with every tail (K off the 32-deep tile steps, N off the 128-column strips and 32-column
-    groups, rows off the 16-row tiles and 32-row pairs of tiles, weights below and above the
-    threading threshold) match the exact product, and a row's bits among other rows are its
-    bits among any other set of rows of a tiled call."""
-    assert dense_cpu.TILES_FROM == (0 if dense_cpu.BATCH_INVARIANT else dense_cpu.TILES_AMX)
-    tiled = _multiply_with_tiles_from(dense_cpu.TILES_AMX)
+    """bfloat16 products from TILES_FROM rows go to AMX tiles here, in both layouts: random
+    shapes with every tail (K off the 32-deep tile steps, N off the 128-column strips, the
+    32-column groups and the [N, K] layout's 32-row units, rows off the 16-row tiles and 32-row
+    pairs of tiles, weights below and above the threading threshold) match the exact product,
+    and a row's bits among other rows are its bits among any other set of rows of a tiled
+    call."""
+    expected = {layout: 0 for layout in dense_cpu.LAYOUTS} if dense_cpu.BATCH_INVARIANT else \
+        dense_cpu.TILES_AMX
+    assert dense_cpu.TILES_FROM == expected
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
-    for trial in range(16):
-        m = int(rng.choice([9, 16, 17, 32, 33, int(rng.integers(9, 80))]))
-        k = int(rng.choice([31, 32, 33, 96, 97, int(rng.integers(1, 1600))]))
-        n = int(rng.choice([1, 31, 33, 127, 129, int(rng.integers(1, 1300))]))
-        if trial % 4 == 0:  # past the threading threshold
-            k, n = int(rng.integers(500, 700)), int(rng.integers(600, 1300))
-        x, w = _operands(rng, m, k, n, "kn", jnp.bfloat16)
-        got = tiled(x, w, "kn")
-        _assert_close(got, x, w, "kn")
-        row = int(rng.integers(0, m))
-        others = jnp.asarray(rng.standard_normal((int(rng.integers(8, 40)), k), np.float32))
-        mixed = jnp.concatenate([others, x[row:row + 1]]).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(tiled(mixed, w, "kn"))[-1],
-                                      np.asarray(got[row]), err_msg=f"seed {seed}")
+    for layout in dense_cpu.LAYOUTS:
+        least = dense_cpu.TILES_AMX[layout]
+        tiled = _multiply_with_tiles_from(least)
+        for trial in range(16):
+            m = int(rng.choice([least, 16, 17, 32, 33, int(rng.integers(least, 80))]))
+            k = int(rng.choice([31, 32, 33, 96, 97, 576, int(rng.integers(1, 1600))]))
+            n = int(rng.choice([1, 31, 33, 127, 129, int(rng.integers(1, 1300))]))
+            if trial % 4 == 0:  # past the threading threshold
+                k, n = int(rng.integers(500, 700)), int(rng.integers(600, 1300))
+            if layout == "nk" and trial % 2:  # whole tile steps of K: the tiles' own case
+                k = 32 * int(rng.integers(1, 30))
+            x, w = _operands(rng, m, k, n, layout, jnp.bfloat16)
+            got = tiled(x, w, layout)
+            _assert_close(got, x, w, layout)
+            row = int(rng.integers(0, m))
+            others = jnp.asarray(rng.standard_normal((int(rng.integers(least, 40)), k),
+                                                     np.float32))
+            mixed = jnp.concatenate([others, x[row:row + 1]]).astype(jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(tiled(mixed, w, layout))[-1],
+                                          np.asarray(got[row]),
+                                          err_msg=f"seed {seed}, {layout} m={m} k={k} n={n}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -253,16 +262,16 @@ def test_rows_table_follows_the_cpus_amx_flag() -> None:
         for layout in dense_cpu.LAYOUTS:
             for dtype in dense_cpu.DTYPES:
                 assert set(range(1, 5)) <= set(table[(layout, dtype)]), (layout, dtype)
-    assert 16 not in dense_cpu.ROWS_AMX[("nk", jnp.dtype(jnp.bfloat16))]
     for flags in (line.format("amx_bf16"), line.format("")):
         table = dense_cpu.rows_for(flags, batch_invariant=True)
         assert all(table[key] == range(1, 1 << 31) for key in dense_cpu.ROWS_AVX512)
-        assert dense_cpu.tiles_from_for(flags, batch_invariant=True) == 0
+        assert dense_cpu.tiles_from_for(flags, batch_invariant=True) == {"kn": 0, "nk": 0}
     assert dense_cpu.ROWS is dense_cpu.rows_for(cpu_flags(), dense_cpu.BATCH_INVARIANT)
-    # AMX tiles take the batched bfloat16 [in, out] products where the CPU has them.
-    assert dense_cpu.tiles_from_for(line.format("amx_tile amx_bf16")) == dense_cpu.TILES_AMX > 1
+    # AMX tiles take the batched bfloat16 products where the CPU has them.
+    on = dense_cpu.tiles_from_for(line.format("amx_tile amx_bf16"))
+    assert on == dense_cpu.TILES_AMX and min(on.values()) > 1
     for other in ("amx_tile", "amx_bf16x", ""):
-        assert dense_cpu.tiles_from_for(line.format(other)) == 0
+        assert dense_cpu.tiles_from_for(line.format(other)) == {"kn": 0, "nk": 0}
     assert dense_cpu.TILES_FROM == dense_cpu.tiles_from_for(cpu_flags(),
                                                             dense_cpu.BATCH_INVARIANT)
 
