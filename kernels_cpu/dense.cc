@@ -715,18 +715,36 @@ void pack_pairs(const uint16_t* w, int64_t K, int64_t N, int64_t c, int groups, 
   }
 }
 
-// Sums of rows [m, m + 16 * kChunks) against one packed 32-column group, into `sums`
-// ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
+// The sum tiles of kChunks chunks of 16 rows (tiles 0-1, and 2-3 for a second chunk): zeroed,
+// and stored one after another as [2 * kChunks][16][16].
 template <int kChunks>
-void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int64_t steps,
-               float* sums) {
-  const int64_t stride = o.k_tiles * int64_t(sizeof(uint16_t));
+inline void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kChunks == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
+}
+
+template <int kChunks>
+inline void store_sums_tiles(float* sums) {
+  constexpr int64_t tile_floats = kTileRows * kTileRows;
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + tile_floats, 64);
+  if constexpr (kChunks == 2) {
+    _tile_stored(2, sums + 2 * tile_floats, 64);
+    _tile_stored(3, sums + 3 * tile_floats, 64);
+  }
+}
+
+// Sums of rows [m, m + 16 * kChunks) against one packed 32-column group, into `sums`
+// ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
+template <int kChunks>
+void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int64_t steps,
+               float* sums) {
+  const int64_t stride = o.k_tiles * int64_t(sizeof(uint16_t));
+  zero_sums<kChunks>();
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* lo = pack + s * 2 * kTileRows * 32;
     _tile_loadd(4, o.x_tiles + m * o.k_tiles + s * kTileDepth, stride);
@@ -740,13 +758,7 @@ void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t tile_floats = kTileRows * kTileRows;
-  _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + tile_floats, 64);
-  if constexpr (kChunks == 2) {
-    _tile_stored(2, sums + 2 * tile_floats, 64);
-    _tile_stored(3, sums + 3 * tile_floats, 64);
-  }
+  store_sums_tiles<kChunks>(sums);
 }
 
 // Output columns [128 s0, 128 s1) of every row: each strip packed once, then multiplied by the
@@ -812,12 +824,7 @@ void nk_tile_sums(const Operands<uint16_t>& o, const uint16_t* rows, int64_t m, 
   const int64_t steps = o.K / kTileDepth, stride = o.K * int64_t(sizeof(uint16_t));
   const uint16_t* b0 = o.x_tiles + (m / kTileRows) * steps * kTileRows * 32;
   const uint16_t* b1 = b0 + steps * kTileRows * 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kChunks == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  zero_sums<kChunks>();
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, rows + s * kTileDepth, stride);
     _tile_loadd(5, rows + kTileRows * o.K + s * kTileDepth, stride);
@@ -830,13 +837,7 @@ void nk_tile_sums(const Operands<uint16_t>& o, const uint16_t* rows, int64_t m, 
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t tile_floats = kTileRows * kTileRows;
-  _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + tile_floats, 64);
-  if constexpr (kChunks == 2) {
-    _tile_stored(2, sums + 2 * tile_floats, 64);
-    _tile_stored(3, sums + 3 * tile_floats, 64);
-  }
+  store_sums_tiles<kChunks>(sums);
 }
 
 // Units [u0, u1) of 32 weight rows, every x row.
