@@ -950,12 +950,12 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
   int64_t k_tiles = 0;
   if constexpr (std::is_same_v<T, uint16_t>) {
     const int64_t K = ops.front().K;
-    if (!nk && tiles_from > 0 && M >= tiles_from && tiles_permitted()) {
+    const bool tiles = tiles_from > 0 && M >= tiles_from && tiles_permitted();
+    if (tiles && !nk) {
       split = Split::kKnTiles;
       k_tiles = (K + kTileDepth - 1) / kTileDepth * kTileDepth;
       x_tiles = rows_as_tiles(ops.front().x16, M, K, k_tiles);
-    } else if (nk && K % kTileDepth == 0 && tiles_from > 0 && M >= tiles_from &&
-               tiles_permitted()) {
+    } else if (tiles && K % kTileDepth == 0) {
       // Tiles read the weight's rows as stored, 32 values of K a step: K must be whole steps.
       split = Split::kNkTiles;
       k_tiles = K;

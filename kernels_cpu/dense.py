@@ -71,9 +71,8 @@ ROWS_AVX512 = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
                ("nk", jnp.dtype(jnp.bfloat16)): range(1, 33)}
 # Intel Xeon with AMX-BF16 (2 cores; 2026-12-05, `--layouts=layer,nk`, rows 1-128): kernel over
 # XLA time, bfloat16 vocabulary projection 0.67 at 4 rows, 1.3 at 5, 1.6 at 8 (with AMX tiles
-# from TILES_AMX rows 0.52-0.87 from 1 to 128 rows); float32
-# vocabulary projection 0.95 at 20 rows, 1.03 at 24, 1.12 at 32; float32 layers ahead or tied
-# up to 128 rows. bfloat16 layers: 0.97 at 12 rows, 3.1 at 128 with the VDPBF16PS tiles alone;
+# from TILES_AMX rows 0.37-0.88 at 1-128 rows); float32 vocabulary projection 0.95 at 20 rows,
+# 1.03 at 24, 1.12 at 32; float32 layers ahead or tied up to 128 rows. bfloat16 layers: 0.97 at 12 rows, 3.1 at 128 with the VDPBF16PS tiles alone;
 # with AMX tiles from TILES_AMX rows (`--variants=no_amx`, results/dense_cpu_amx_tiles.jsonl),
 # 0.66-0.83 from 9 to 48 rows, 0.88 at 64, 0.99 at 128, 0.97 at 192, 1.06 at 256.
 ROWS_AMX = {("kn", jnp.dtype(jnp.float32)): range(1, 129),
@@ -89,6 +88,11 @@ ROWS_INVARIANT = {key: range(1, 1 << 31) for key in ROWS_AVX512}
 BATCH_INVARIANT = os.environ.get("INFER_BATCH_INVARIANT", "0") == "1"
 
 
+def _has_amx(flags: str) -> bool:
+    """Whether /proc/cpuinfo's flags list AMX-BF16 (the flag itself, not a prefix of another)."""
+    return "amx_bf16" in flags.split()
+
+
 def rows_for(flags: str, batch_invariant: bool = False) -> dict[tuple[str, jnp.dtype], range]:
     """The ROWS table for a CPU with these /proc/cpuinfo flags. Where the fastest products mix
     the kernel and XLA by row count, a token's logits in a decode step (few rows, the kernel)
@@ -99,7 +103,7 @@ def rows_for(flags: str, batch_invariant: bool = False) -> dict[tuple[str, jnp.d
     built."""
     if batch_invariant:
         return ROWS_INVARIANT
-    return ROWS_AMX if "amx_bf16" in flags.split() else ROWS_AVX512
+    return ROWS_AMX if _has_amx(flags) else ROWS_AVX512
 
 
 ROWS = rows_for(cpu_flags(), BATCH_INVARIANT)
@@ -108,8 +112,9 @@ ROWS = rows_for(cpu_flags(), BATCH_INVARIANT)
 # the VDPBF16PS path turns multiply-bound (measured: the two tie at 8 rows, tiles 1.3x at 10 and
 # 1.8x at 24; at 1-4 rows tiles are 1.4-1.9x slower, because packing the weight into tile pairs
 # reads it at about half the speed of the few-row passes). [N, K]: 4, where the tiles, which
-# read the weight's rows as stored, pass the VDPBF16PS dot products (0.97x at 1 row, 0.82x at
-# 2, 1.1x at 4, 2.2x at 8, 4.8x at 32; results/dense_cpu_amx_tiles.jsonl).
+# read the weight's rows as stored, pass the VDPBF16PS dot products (1.2x at 4 rows, 2.2x at
+# 8, 4.8x at 32, results/dense_cpu_amx_tiles.jsonl; 0.97x at 1 row and 0.82x at 2 in a scratch
+# run with tiles from 1 row).
 TILES_AMX = {"kn": 9, "nk": 4}
 
 
@@ -118,7 +123,7 @@ def tiles_from_for(flags: str, batch_invariant: bool = False) -> dict[str, int]:
     lists amx_bf16, else 0 (never). AMX tiles round a pair's sum their own way, so a row's bits
     then differ between products of fewer rows and of the layout's tiles_from or more;
     `batch_invariant` keeps the VDPBF16PS paths (0)."""
-    if batch_invariant or "amx_bf16" not in flags.split():
+    if batch_invariant or not _has_amx(flags):
         return {layout: 0 for layout in LAYOUTS}
     return dict(TILES_AMX)
 
