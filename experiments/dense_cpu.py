@@ -14,6 +14,9 @@ in a decode step rather than sit in cache:
   up, down; attention left out), the query/key/value and gate/up products grouped in one
   kernel call each as the model's `dense_group` does them; also timed as seven separate
   kernel calls ("kernel_ungrouped"), for what grouping is worth.
+Where the kernel multiplies on AMX tiles (`kernels_cpu.dense.packs`), the kn and layer chains
+are also timed with their weights stored in the tiles' layout ("kernel_packed": the weights as
+the engine holds them there).
 XLA's side is what `infer.model.llama.dense` does without the kernel (`xla_dense`: `jnp.einsum`
 with float32 accumulation, one-row 16-bit products padded to two rows, float32 [N, K] products
 of 2-8 rows as a multiply-and-reduce). Prints ms per call and the weight
@@ -81,18 +84,20 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
         raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
     builds = {"kernel": kernel, "xla": xla, **{v: build(VARIANTS[v]) for v in variants}}
 
-    def chain(product):
-        def fn(x, weights):
-            for up, down in weights:
+    # Each program takes the weights as stored and packed (None where nothing is packed), and
+    # multiplies by those it is for.
+    def chain(product, use_packed=False):
+        def fn(x, weights, packed):
+            for up, down in packed if use_packed else weights:
                 (hidden,) = product(x.astype(up.dtype), (up,), "kn")
                 (out,) = product(jnp.tanh(hidden).astype(down.dtype), (down,), "kn")
                 x = x + out
             return x
         return jax.jit(fn)
 
-    def layer_chain(product):
-        def fn(x, weights):
-            for q, k, v, o, gate, up, down in weights:
+    def layer_chain(product, use_packed=False):
+        def fn(x, weights, packed):
+            for q, k, v, o, gate, up, down in packed if use_packed else weights:
                 qo, ko, vo = product(x.astype(q.dtype), (q, k, v), "kn")
                 # A stand-in for attention that needs all three: no product may be skipped.
                 mixed = qo + 1e-3 * (ko.sum(-1, keepdims=True) + vo.sum(-1, keepdims=True))
@@ -121,7 +126,6 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                 weights = [(weight((EMBED, FFN), EMBED ** -0.5), weight((FFN, EMBED), FFN ** -0.5))
                            for _ in range(layers)]
                 programs = {name: chain(product) for name, product in builds.items()}
-                args = (weights,)
                 nbytes = layers * 2 * EMBED * FFN * dtype.itemsize
             elif layout == "layer":
                 shapes = [(EMBED, EMBED), (EMBED, KV), (EMBED, KV), (EMBED, EMBED), (EMBED, FFN),
@@ -130,13 +134,22 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                            for _ in range(layers)]
                 programs = {name: layer_chain(product) for name, product in
                             {**builds, "kernel_ungrouped": ungrouped}.items()}
-                args = (weights,)
                 nbytes = layers * sum(a * b for a, b in shapes) * dtype.itemsize
             else:
                 weights = weight((VOCAB, EMBED), EMBED ** -0.5)
                 programs = {name: vocab(product) for name, product in builds.items()}
-                args = (weights,)
                 nbytes = VOCAB * EMBED * dtype.itemsize
+            args = (weights,)
+            extra = []  # sides beside the builds this workload has
+            if layout == "layer":
+                extra.append("kernel_ungrouped")
+            if layout != "nk" and all(dense_cpu.packs(w) for group in weights for w in group):
+                programs["kernel_packed"] = (chain if layout == "kn" else layer_chain)(
+                    kernel, use_packed=True)
+                args = (weights, [tuple(dense_cpu.pack(w) for w in group) for group in weights])
+                extra.append("kernel_packed")
+            elif layout != "nk":
+                args = (weights, None)
             for m in map(int, rows):
                 x = jnp.asarray(rng.standard_normal((m, EMBED), np.float32))
                 row = {"experiment": "dense_cpu", "layout": layout, "dtype": dtype_name,
@@ -147,7 +160,7 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                     row[f"{name}_ms"] = ms
                     row[f"{name}_gb_s"] = nbytes / ms / 1e6
                 row["kernel_speedup"] = row["xla_ms"] / row["kernel_ms"]
-                for v in [*variants, *(["kernel_ungrouped"] if layout == "layer" else [])]:
+                for v in [*variants, *extra]:
                     # > 1: what the part that build leaves out is worth
                     row[f"{v}_over_kernel"] = row[f"{v}_ms"] / row["kernel_ms"]
                 row["dense_takes_kernel"] = m in dense_cpu.ROWS.get(
@@ -161,7 +174,9 @@ def run(*, rows: list[int], dtypes: list[str], layouts: list[str], layers: int, 
                                  ("kernel_speedup", "XLA / kernel"),
                                  *[(f"{v}_over_kernel", f"{v} / kernel") for v in
                                    [*variants, *(["kernel_ungrouped"] if "layer" in layouts
-                                                 else [])]],
+                                                 else []),
+                                    *(["kernel_packed"] if table and any(
+                                        "kernel_packed_ms" in r for r in table) else [])]],
                                  ("dense_takes_kernel", "dense uses the kernel")]))
     return table
 

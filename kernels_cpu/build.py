@@ -87,6 +87,8 @@ class Kernel:
         self.source, self.symbol, self.target = source, symbol, target
         self._register = functools.cache(self._register_build)
         self._load = functools.cache(self._load_default)
+        self._library = functools.cache(
+            lambda flags: ctypes.cdll.LoadLibrary(str(build(self.source, flags))))
 
     def available(self) -> bool:
         """Whether the kernel is built and registered with XLA:CPU. False when
@@ -115,8 +117,12 @@ class Kernel:
             return False
         return True
 
+    def library(self, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+        """The loaded build (once per flags), for the plain C functions it exports."""
+        return self._library(tuple(extra_flags))
+
     def _register_build(self, extra_flags: tuple[str, ...]) -> str:
-        library = ctypes.cdll.LoadLibrary(str(build(self.source, extra_flags)))
+        library = self.library(extra_flags)
         target = self.target
         if extra_flags:
             target += "_" + hashlib.sha256("\0".join(extra_flags).encode()).hexdigest()[:8]

@@ -738,18 +738,18 @@ inline void store_sums_tiles(float* sums) {
   }
 }
 
-// Sums of rows [m, m + 16 * kChunks) against one packed 32-column group, into `sums`
-// ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
+// Sums of rows [m, m + 16 * kChunks) against 32 weight columns in pair layout, 16 in each of
+// `first` and `second` (16 pairs x 16 columns a step, `step` values from one step to the next),
+// into `sums` ([kChunks][2][16][16]: per chunk of 16 rows, the two tiles of columns).
 template <int kChunks>
-void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int64_t steps,
-               float* sums) {
+void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* first,
+               const uint16_t* second, int64_t step, int64_t steps, float* sums) {
   const int64_t stride = o.k_tiles * int64_t(sizeof(uint16_t));
   zero_sums<kChunks>();
   for (int64_t s = 0; s < steps; ++s) {
-    const uint16_t* lo = pack + s * 2 * kTileRows * 32;
     _tile_loadd(4, o.x_tiles + m * o.k_tiles + s * kTileDepth, stride);
-    _tile_loadd(6, lo, 64);
-    _tile_loadd(7, lo + kTileRows * 32, 64);
+    _tile_loadd(6, first + s * step, 64);
+    _tile_loadd(7, second + s * step, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kChunks == 2) {
@@ -761,6 +761,25 @@ void tile_sums(const Operands<uint16_t>& o, int64_t m, const uint16_t* pack, int
   store_sums_tiles<kChunks>(sums);
 }
 
+// Every row against 32 weight columns from column c (two 16-column tiles, see tile_sums), 32
+// rows at a time, the sums stored as output columns [c, c + 32) in `order`.
+template <Order kOrder>
+void group_rows(const Operands<uint16_t>& o, int64_t c, const uint16_t* first,
+                const uint16_t* second, int64_t step, int64_t steps) {
+  alignas(64) float sums[2][2][kTileRows][kTileRows];
+  for (int64_t m = 0; m < o.M; m += 2 * kTileRows) {
+    if (m + kTileRows < o.M)
+      tile_sums<2>(o, m, first, second, step, steps, &sums[0][0][0][0]);
+    else
+      tile_sums<1>(o, m, first, second, step, steps, &sums[0][0][0][0]);
+    for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, o.M - m); ++r) {
+      const int64_t chunk = r / kTileRows, row = r % kTileRows;
+      store_ordered<kOrder>(o.out + (m + r) * o.N, c, o.N, _mm512_load_ps(sums[chunk][0][row]),
+                            _mm512_load_ps(sums[chunk][1][row]));
+    }
+  }
+}
+
 // Output columns [128 s0, 128 s1) of every row: each strip packed once, then multiplied by the
 // rows 32 at a time, a 32-column group after another.
 void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
@@ -770,27 +789,34 @@ void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
   constexpr int kGroups = kTileStrip / 32;
   thread_local std::vector<uint16_t, AlignedAllocator<uint16_t>> pack;
   if (int64_t(pack.size()) < kGroups * group_size) pack.resize(kGroups * group_size);
-  alignas(64) float sums[2][2][kTileRows][kTileRows];
   for (int64_t strip = s0; strip < s1; ++strip) {
     const int64_t c0 = strip * kTileStrip;
     const int groups = int(std::min<int64_t>(kGroups, (o.N - c0 + 31) / 32));
     pack_pairs(o.w, o.K, o.N, c0, groups, steps, pack.data());
     for (int g = 0; g < groups; ++g) {
-      const int64_t c = c0 + 32 * g;
       const uint16_t* group = pack.data() + g * group_size;
-      for (int64_t m = 0; m < o.M; m += 2 * kTileRows) {
-        if (m + kTileRows < o.M)
-          tile_sums<2>(o, m, group, steps, &sums[0][0][0][0]);
-        else
-          tile_sums<1>(o, m, group, steps, &sums[0][0][0][0]);
-        for (int64_t r = 0; r < std::min<int64_t>(2 * kTileRows, o.M - m); ++r) {
-          const int64_t chunk = r / kTileRows, row = r % kTileRows;
-          store_ordered<Order::kUnpacked>(o.out + (m + r) * o.N, c, o.N,
-                                          _mm512_load_ps(sums[chunk][0][row]),
-                                          _mm512_load_ps(sums[chunk][1][row]));
-        }
-      }
+      group_rows<Order::kUnpacked>(o, c0 + 32 * g, group, group + kTileRows * 32,
+                                   2 * kTileRows * 32, steps);
     }
+  }
+  _tile_release();
+}
+
+// A weight stored in the tiles' layout at load ("kn" packed, `infer.model.llama.tile_weights`):
+// [N / 16][K / 2][16][2], w_packed[t][q][j][h] = w[2q + h][16t + j]: per 16 output columns, every
+// pair of weight rows in order, each step's tile 1 KB of contiguous memory. The tiles read it
+// as stored, so no packing per call: a product streams the weight at the read rate whatever
+// the rows, 1-16 rows alike (single-thread scratch, 576 x 1536: 24-28 GB/s at 1-16 rows, where
+// kn_tiles packs at 11 GB/s and the VDPBF16PS rows at 28 GB/s for 1 row, 18 for 4, 9 for 8).
+// Each sum takes the pairs in the order kn_tiles does, so the bits are kn_tiles' at every row
+// count. Needs K and N multiples of 32. Units are 32-column groups.
+void kn_packed(const Operands<uint16_t>& o, int64_t g0, int64_t g1) {
+  configure_tiles();
+  const int64_t column_tile = o.K * kTileRows;  // values per 16 columns
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint16_t* first = o.w + 2 * g * column_tile;
+    group_rows<Order::kColumns>(o, 32 * g, first, first + column_tile, kTileRows * 32,
+                                o.K / kTileDepth);
   }
   _tile_release();
 }
@@ -895,7 +921,7 @@ constexpr int64_t kParallelBytes = 512 * 1024;
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
 // kTiledRows rows or more, a 32-column strip of its output.
-enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles, kNkTiles };
+enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles, kNkTiles, kKnPacked };
 
 template <typename T>
 void run_units(const Operands<T>& o, float* partials, Split split, int64_t first, int64_t last) {
@@ -911,6 +937,10 @@ void run_units(const Operands<T>& o, float* partials, Split split, int64_t first
     }
     if (split == Split::kNkTiles) {
       nk_tiles(o, first, last);
+      return;
+    }
+    if (split == Split::kKnPacked) {
+      kn_packed(o, first, last);
       return;
     }
   }
@@ -939,10 +969,11 @@ struct Product {
 // projections; its gate and up projections), split between threads as one piece of work: one
 // hand-off to the pool instead of one per weight, and weights too small to be worth splitting
 // on their own (a key projection: 221 KB in bfloat16) share the threads with the rest. Each
-// product's units and sums are those of the product alone, so its bits are too.
+// product's units and sums are those of the product alone, so its bits are too. `packed`: every
+// weight is "kn" in the tiles' layout (kn_packed; the caller checked tiles_permitted()).
 template <typename T>
 void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool nk,
-              int64_t tiles_from) {
+              int64_t tiles_from, bool packed = false) {
   const int64_t M = ops.front().M;
   Split split = nk ? Split::kNkRows : (M >= kTiledRows ? Split::kKnStrips : Split::kKnBlocks);
 #if defined(INFER_DENSE_AMX)
@@ -951,7 +982,11 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
   if constexpr (std::is_same_v<T, uint16_t>) {
     const int64_t K = ops.front().K;
     const bool tiles = tiles_from > 0 && M >= tiles_from && tiles_permitted();
-    if (tiles && !nk) {
+    if (packed) {
+      split = Split::kKnPacked;
+      k_tiles = K;
+      x_tiles = rows_as_tiles(ops.front().x16, M, K, k_tiles);
+    } else if (tiles && !nk) {
       split = Split::kKnTiles;
       k_tiles = (K + kTileDepth - 1) / kTileDepth * kTileDepth;
       x_tiles = rows_as_tiles(ops.front().x16, M, K, k_tiles);
@@ -964,6 +999,7 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
   }
 #else
   (void)tiles_from;
+  (void)packed;
 #endif
   std::vector<Product<T>> products(ops.size());
   int64_t units = 0, scratch_floats = 0, weight_bytes = 0;
@@ -980,6 +1016,7 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
 #if defined(INFER_DENSE_AMX)
               : split == Split::kKnTiles ? (o.N + kTileStrip - 1) / kTileStrip
               : split == Split::kNkTiles ? (o.N + kNkTileUnit - 1) / kNkTileUnit
+              : split == Split::kKnPacked ? o.N / 32
 #endif
                                           : (o.K + kKnBlockRows - 1) / kKnBlockRows;
     p.first = units;
@@ -1028,18 +1065,33 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   std::vector<ffi::AnyBuffer> ws;
   std::vector<float*> os;
   std::vector<int64_t> ns;
+  // Weights of rank 4 are "kn" weights in the tiles' layout (kn_packed), all or none of them.
+  const auto first = weights.get<ffi::AnyBuffer>(0);
+  const bool packed = first.has_value() && first->dimensions().size() == 4;
+  if (packed) {
+#if defined(INFER_DENSE_AMX)
+    if (nk || x.element_type() != ffi::DataType::BF16 || !tiles_permitted() || K % 32 != 0)
+      return ffi::Error::InvalidArgument(
+          "dense_cpu: a packed weight needs bfloat16 \"kn\" rows with K a multiple of 32 and "
+          "AMX tiles permitted");
+#else
+    return ffi::Error::InvalidArgument("dense_cpu: packed weights need a build with AMX tiles");
+#endif
+  }
   for (size_t i = 0; i < weights.size(); ++i) {
     auto w = weights.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !out.has_value())
       return ffi::Error::InvalidArgument("dense_cpu: weights must be arrays, outputs float32");
     const auto wd = w->dimensions();
-    if (wd.size() != 2) return ffi::Error::InvalidArgument("dense_cpu: w must be 2-D");
+    if (packed ? wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[0] % 2 != 0 : wd.size() != 2)
+      return ffi::Error::InvalidArgument(
+          "dense_cpu: w must be 2-D, or all weights packed [N / 16 (even), K / 2, 16, 2]");
     if (w->element_type() != x.element_type())
       return ffi::Error::InvalidArgument("dense_cpu: x and w must share a dtype");
-    if ((nk ? wd[1] : wd[0]) != K)
+    if ((packed ? 2 * wd[1] : nk ? wd[1] : wd[0]) != K)
       return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
-    const int64_t N = nk ? wd[0] : wd[1];
+    const int64_t N = packed ? 16 * wd[0] : nk ? wd[0] : wd[1];
     float* o = (*out)->typed_data();
     if (M == 0 || N == 0) continue;
     if (K == 0) {
@@ -1076,7 +1128,7 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
       for (size_t i = 0; i < ws.size(); ++i)
         ops.push_back({xf.empty() ? nullptr : xf.data(), xb,
                        static_cast<const uint16_t*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
-      multiply(pool, ops, nk, tiles_from);
+      multiply(pool, ops, nk, tiles_from, packed);
       return ffi::Error::Success();
     }
     default:
@@ -1085,6 +1137,16 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
 }
 
 }  // namespace
+
+// Whether this build multiplies on AMX tiles and Linux lets this process use them: Python packs
+// weights into the tiles' layout only then (`kernels_cpu.dense.packs`).
+extern "C" int InferDenseTilesPermitted() {
+#if defined(INFER_DENSE_AMX)
+  return tiles_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InferDenseCpu, dense_impl,
                               ffi::Ffi::Bind()

@@ -21,6 +21,12 @@ does not depend on which other rows share the call (batch invariance), except th
 bfloat16 row differs between calls of fewer and of TILES_FROM or more rows
 (`INFER_BATCH_INVARIANT=1` turns the tiles off).
 
+Where the tiles run, a bfloat16 [in, out] weight can be stored in their layout once, at load
+(`pack`; `infer.model.llama.tile_weights` packs a model's projections, the engine does it on one
+CPU device): the tiles then read it as stored, at every row count, with no packing per call
+(`packs` says which weights; INFER_TILED_WEIGHTS=0 keeps them as they are). A row's bits through
+a packed weight are the same in a product of any number of rows.
+
 `reference` is the jnp product it must equal, `multiply` the kernel (`multiply_group`: one
 activation against several weights in one call), `ROWS` the products `dense` hands it.
 """
@@ -131,9 +137,54 @@ def tiles_from_for(flags: str, batch_invariant: bool = False) -> dict[str, int]:
 TILES_FROM = tiles_from_for(cpu_flags(), BATCH_INVARIANT)
 
 
+# The tiles' weight layout: 16 output columns a tile, each row a pair of weight rows
+# ([N / 16, K / 2, 16, 2]; kernels_cpu/dense.cc, `kn_packed`).
+TILE_COLUMNS = 16
+TILED_WEIGHTS = os.environ.get("INFER_TILED_WEIGHTS", "1") == "1"
+
+
+@functools.cache
+def _tiles_permitted() -> bool:
+    return available() and bool(KERNEL.library().InferDenseTilesPermitted())
+
+
+def packs(w: jax.Array | np.ndarray) -> bool:
+    """Whether `pack` should store this [in, out] weight in the tiles' layout: bfloat16, K and
+    N multiples of 32, on a CPU whose tiles the kernel runs (TILES_FROM, so not under
+    INFER_BATCH_INVARIANT=1) and may use (Linux's permission, asked of the kernel), unless
+    INFER_TILED_WEIGHTS=0."""
+    return (TILED_WEIGHTS and TILES_FROM["kn"] > 0 and w.ndim == 2
+            and jnp.dtype(w.dtype) == jnp.bfloat16 and w.shape[0] % 32 == 0
+            and w.shape[1] % 32 == 0 and jax.default_backend() == "cpu" and _tiles_permitted())
+
+
+def is_packed(w: jax.Array | np.ndarray) -> bool:
+    """Whether w is an [in, out] weight in the tiles' layout (`pack`'s output)."""
+    return w.ndim == 4 and w.shape[2:] == (TILE_COLUMNS, 2)
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """[K, N] -> the tiles' layout [N / 16, K / 2, 16, 2]: packed[t, q, j, h] = w[2q + h,
+    16t + j], each 16 output columns' pairs of weight rows contiguous."""
+    if w.ndim != 2 or w.shape[0] % 32 or w.shape[1] % 32:
+        raise ValueError(f"pack needs a [K, N] weight with K and N multiples of 32, got {w.shape}")
+    k, n = w.shape
+    return w.reshape(k // 2, 2, n // TILE_COLUMNS, TILE_COLUMNS).transpose(2, 0, 3, 1)
+
+
+def unpack(packed: jax.Array) -> jax.Array:
+    """`pack`'s inverse: the [K, N] weight."""
+    if not is_packed(packed):
+        raise ValueError(f"not a packed weight: {packed.shape}")
+    tiles, pairs = packed.shape[:2]
+    return packed.transpose(1, 3, 0, 2).reshape(2 * pairs, tiles * TILE_COLUMNS)
+
+
 def takes(rows: int, w: jax.Array, layout: str) -> bool:
-    """Whether the kernel should run this product: on CPU, a 2-D weight, a row count in ROWS,
-    and the kernel available."""
+    """Whether the kernel should run this product: on CPU, a 2-D weight and a row count in
+    ROWS, or a packed weight at any row count; and the kernel available."""
+    if is_packed(w):
+        return layout == "kn" and jax.default_backend() == "cpu" and _tiles_permitted()
     return (rows in ROWS.get((layout, jnp.dtype(w.dtype)), ()) and w.ndim == 2
             and jax.default_backend() == "cpu" and available())
 
@@ -141,9 +192,11 @@ def takes(rows: int, w: jax.Array, layout: str) -> bool:
 def _check(x: jax.Array, w: jax.Array, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"x must be [M, K] and w 2-D, got {x.shape} and {w.shape}")
-    k = w.shape[1] if layout == "nk" else w.shape[0]
+    if is_packed(w) and layout != "kn":
+        raise ValueError(f"a packed weight is [in, out] (layout \"kn\"), got {layout!r}")
+    if x.ndim != 2 or (w.ndim != 2 and not is_packed(w)):
+        raise ValueError(f"x must be [M, K] and w 2-D or packed, got {x.shape} and {w.shape}")
+    k = w.shape[1] if layout == "nk" else _shape(w)[0]
     if x.shape[1] != k:
         raise ValueError(f"x {x.shape} and w {w.shape} ({layout}) disagree on K")
     if jnp.dtype(w.dtype) not in DTYPES or x.dtype != w.dtype:
@@ -151,9 +204,19 @@ def _check(x: jax.Array, w: jax.Array, layout: str) -> None:
                          f"{w.dtype}")
 
 
+def _shape(w: jax.Array) -> tuple[int, int]:
+    """The weight's [K, N] (or [N, K]) shape, packed or not."""
+    if is_packed(w):
+        return 2 * w.shape[1], TILE_COLUMNS * w.shape[0]
+    return w.shape
+
+
 def reference(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
-    """x [M, K] times w ([K, N] for "kn", [N, K] for "nk") -> [M, N] float32, by jnp."""
+    """x [M, K] times w ([K, N] or packed for "kn", [N, K] for "nk") -> [M, N] float32, by
+    jnp."""
     _check(x, w, layout)
+    if is_packed(w):
+        w = unpack(w)
     equation = "mk,nk->mn" if layout == "nk" else "mk,kn->mn"
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
 
@@ -165,7 +228,9 @@ def _call(x: jax.Array, weights: Sequence[jax.Array], layout: str, target: str =
     where the build has them (0: never; default TILES_FROM[layout])."""
     if not available():
         raise RuntimeError("the CPU dense kernel is not available here (see kernels_cpu/dense.py)")
-    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if layout == "nk" else w.shape[1]),
+    if len({is_packed(w) for w in weights}) != 1:
+        raise ValueError("a group's weights are all packed or none")
+    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], _shape(w)[0 if layout == "nk" else 1]),
                                       jnp.float32) for w in weights)
     tiles_from = TILES_FROM[layout] if tiles_from is None else tiles_from
     return tuple(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(

@@ -342,3 +342,101 @@ def test_dense_group_is_dense_per_weight_in_one_call() -> None:
             for w, got in zip(ws, fn(x, ws)):
                 want = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))(x, w)
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_pack_is_the_tile_layout_and_unpack_its_inverse() -> None:
+    """packed[t, q, j, h] = w[2q + h, 16t + j], checked element by element on random shapes;
+    unpack gives the weight back; shapes off the 32-multiples are refused."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    for _ in range(5):
+        k, n = 32 * int(rng.integers(1, 8)), 32 * int(rng.integers(1, 8))
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        packed = np.asarray(dense_cpu.pack(jnp.asarray(w)))
+        assert packed.shape == (n // 16, k // 2, 16, 2) and dense_cpu.is_packed(packed)
+        t, q, j, h = (rng.integers(0, s, 50) for s in packed.shape)
+        np.testing.assert_array_equal(packed[t, q, j, h], w[2 * q + h, 16 * t + j])
+        np.testing.assert_array_equal(np.asarray(dense_cpu.unpack(jnp.asarray(packed))), w)
+    for shape in [(48, 64), (64, 48), (64,)]:
+        with pytest.raises(ValueError):
+            dense_cpu.pack(jnp.zeros(shape, jnp.bfloat16))
+
+
+def test_packs_only_bfloat16_weights_of_whole_tiles_where_the_tiles_run() -> None:
+    tiles = dense_cpu.TILES_FROM["kn"] > 0 and dense_cpu.TILED_WEIGHTS
+    assert dense_cpu.packs(jnp.zeros((64, 96), jnp.bfloat16)) == (
+        tiles and bool(dense_cpu.KERNEL.library().InferDenseTilesPermitted()))
+    for w in [jnp.zeros((64, 96), jnp.float32), jnp.zeros((48, 96), jnp.bfloat16),
+              jnp.zeros((64, 80), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16)]:
+        assert not dense_cpu.packs(w)
+
+
+needs_packing = pytest.mark.skipif(
+    not dense_cpu.packs(jnp.zeros((32, 32), jnp.bfloat16)),
+    reason="weights are packed only where the kernel runs AMX tiles (amx_bf16, permitted)")
+
+
+@needs_packing
+def test_a_packed_weight_gives_the_tiles_bits_at_every_row_count() -> None:
+    """Through a packed weight every row count takes the tiles, reading the weight as stored:
+    the bits of the per-call packing path (tiles_from=1) at 0-100 rows (the 16-row tiles and
+    32-row pairs with their tails), each row's bits the same alone and among others, a NaN
+    kept to its row, within the exact product's bound; threads split 32-column groups."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    tiled = _multiply_with_tiles_from(1)
+    for trial in range(8):
+        k, n = 32 * int(rng.integers(1, 50)), 32 * int(rng.integers(1, 50))
+        if trial % 3 == 0:  # past the threading threshold
+            k, n = 576, 1536
+        packed_w = None
+        for m in [0, 1, 2, 15, 16, 17, 31, 32, 33, int(rng.integers(34, 101))]:
+            x, w = _operands(rng, m, k, n, "kn", jnp.bfloat16)
+            if packed_w is None:
+                w_, packed_w = w, dense_cpu.pack(w)
+            x = x if m < 3 else x.at[1, 3].set(jnp.nan)
+            got = np.asarray(multiply(x, packed_w, "kn"))
+            assert got.shape == (m, n)
+            if m == 0:
+                continue
+            np.testing.assert_array_equal(got, np.asarray(tiled(x, w_, "kn")),
+                                          err_msg=f"seed {seed}, m={m} k={k} n={n}")
+            row = int(rng.integers(0, m))
+            np.testing.assert_array_equal(np.asarray(multiply(x[row:row + 1], packed_w, "kn"))[0],
+                                          got[row], err_msg=f"seed {seed}, m={m} row {row}")
+            if m >= 3:
+                assert np.isnan(got[1]).all() and not np.isnan(np.delete(got, 1, axis=0)).any()
+                x, got = x.at[1].set(0), np.delete(got, 1, axis=0)
+                _assert_close(jnp.asarray(got), jnp.delete(x, 1, axis=0), w_, "kn")
+            else:
+                _assert_close(jnp.asarray(got), x, w_, "kn")
+
+
+@needs_packing
+def test_dense_takes_packed_weights_to_the_kernel_and_unpacks_them_for_xla() -> None:
+    """`dense` sends a packed weight to the kernel at any row count (past ROWS too); under a mesh,
+    and in the backward pass, XLA multiplies the unpacked weight: the same product as the
+    weight as stored, within float32 accumulation error, and the same gradients."""
+    from infer.model.llama import dense, xla_dense
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 96), np.float32)).astype(jnp.bfloat16)
+    packed = dense_cpu.pack(w)
+    fn = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))
+    for m in (1, 8, max(dense_cpu.ROWS[("kn", jnp.dtype(jnp.bfloat16))]) + 1):
+        x = jnp.asarray(rng.standard_normal((1, m, 64), np.float32))
+        assert dense_cpu.TARGET in fn.lower(x, packed).as_text()
+        _assert_close(fn(x, packed)[0], x[0].astype(jnp.bfloat16), w, "kn")
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        assert dense_cpu.TARGET not in fn.lower(x, packed).as_text()
+        np.testing.assert_array_equal(np.asarray(fn(x, packed)),
+                                      np.asarray(jax.jit(xla_dense, static_argnums=2)(
+                                          x, w, "bte,ef->btf")))
+    loss = lambda x, w: jnp.sum(jnp.sin(dense_cpu.multiply(x, w, "kn")))
+    x = jnp.asarray(rng.standard_normal((5, 64), np.float32)).astype(jnp.bfloat16)
+    gx, gp = jax.grad(loss, argnums=(0, 1))(x, packed)
+    gx_want, gw_want = jax.grad(lambda x, w: jnp.sum(jnp.sin(dense_cpu.reference(x, w, "kn"))),
+                                argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(gx_want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dense_cpu.unpack(gp), np.float32),
+                               np.asarray(gw_want, np.float32), rtol=1e-2, atol=1e-2)
