@@ -272,12 +272,16 @@ class OneEngine:
                 "pad_heads": self.parallel.pad_heads}
 
     def place(self, host_model: Llama) -> tuple[Llama, Mesh | None]:
-        """(model, mesh) of a model whose weights are on the host (`load_on_host`): heads laid
-        out for the mesh and the weights placed on it; no mesh on one device."""
+        """(model, mesh) of a model whose weights are on the host (`load_on_host`), as an
+        engine runs it: heads laid out for the mesh and the weights placed on it; on one device
+        no mesh, and the projections in the CPU kernel's tile layout where it has one
+        (`tile_weights`; the engine then keeps them, and a plain loop over the model reads the
+        same weights)."""
+        from infer.model.llama import tile_weights
         from infer.parallel.placement import place_replicas
 
         (model, mesh), = place_replicas(host_model, self.parallel)
-        return model, mesh
+        return (tile_weights(model) if mesh is None else model), mesh
 
     def load(self, dtype: str) -> tuple[LlamaConfig, Llama, Tokenizer, Mesh | None]:
         """(config, model, tokenizer, mesh): the model read on the host and `place`d, so a

@@ -41,12 +41,13 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import decode_stream
     from infer.io.loader import load
+    from infer.model.llama import tile_weights
     from infer.sampling_params import SamplingParams
 
     peers = usable_peers(peers, "decode_speed")  # before any work
     log = ResultLog(out, resume=resume)
     config, model, tokenizer = load("smollm2-135m", dtype)
-    steps = DeviceSteps(model)
+    steps = DeviceSteps(tile_weights(model))  # the weights as the engine holds them on one CPU
     ids = text_ids(tokenizer, 200_000)
     prompts = lambda b: consecutive_prompts(ids, b, prompt_len)
     params = SamplingParams(ignore_eos=True)

@@ -75,8 +75,10 @@ class LLM:
         """Places the model (one replica per data-parallel group) and builds the engine(s)."""
         self.config, self.tokenizer = config, tokenizer
         replicas = place_replicas(model, parallel)
-        self.model = replicas[0][0]  # with tensor parallelism, its heads as laid out
         engines = [Engine(m, tokenizer, engine_config, mesh=mesh) for m, mesh in replicas]
+        # As the first engine runs it: with tensor parallelism its heads as laid out, on one CPU
+        # its projections maybe in the kernel's tile layout (`Engine`).
+        self.model = engines[0].model
         self.engine: Engine | ReplicatedEngine = (
             engines[0] if len(engines) == 1 else ReplicatedEngine(engines, dp_routing))
 

@@ -32,7 +32,7 @@ from infer.engine.request import Request, RequestOutput, validate_request
 from infer.engine.runner import Runner, RunnerConfig
 from infer.engine.scheduler import Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
-from infer.model.llama import Llama
+from infer.model.llama import Llama, tile_weights
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
@@ -87,7 +87,12 @@ class Engine:
                  runner: Runner | None = None, mesh: jax.sharding.Mesh | None = None) -> None:
         """`runner` reuses another engine's compiled programs and cache pool (its shapes must
         match this config; it must not serve two engines at once). `mesh`: the one the model's
-        weights are placed on (`infer.parallel`), for tensor parallelism."""
+        weights are placed on (`infer.parallel`), for tensor parallelism. On one CPU device the
+        engine runs a copy of the model with its projections in the CPU kernel's tile layout
+        where that layout applies (`infer.model.llama.tile_weights`; `self.model`)."""
+        if mesh is None and runner is None:
+            model = tile_weights(model)
+        self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len, model.config.max_position_embeddings)

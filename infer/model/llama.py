@@ -49,7 +49,8 @@ def dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     its GEMMs do slower than a register-tiled kernel; the products `kernels_cpu.dense` runs
     faster (its ROWS table, measured per kind of CPU: where XLA multiplies bfloat16 on AMX
     tiles, its GEMMs keep the batched bfloat16 products) go to that kernel, unless a mesh is
-    active. The rest is `xla_dense`.
+    active. The rest is `xla_dense`. A weight `tile_weights` stored in the kernel's tile layout
+    goes to the kernel at every row count (to `xla_dense`, unpacked, under a mesh).
     Accelerators are not affected."""
     layout = _kernel_layout(x, w, equation)
     if layout is None:
@@ -67,7 +68,8 @@ def dense_group(x: jax.Array, weights: tuple[jax.Array, ...], equation: str
     three, and SmolLM2's key and value weights, too small to be split on their own, share both
     threads (README, "Grouped products"). The values are `dense`'s, bit for bit."""
     layouts = {_kernel_layout(x, w, equation) for w in weights}
-    if len(layouts) == 1 and None not in layouts and len({w.dtype for w in weights}) == 1:
+    if (len(layouts) == 1 and None not in layouts and len({w.dtype for w in weights}) == 1
+            and len({dense_cpu.is_packed(w) for w in weights}) == 1):
         return _kernel_products(x, weights, layouts.pop())
     return tuple(dense(x, w, equation) for w in weights)
 
@@ -97,7 +99,9 @@ def xla_dense(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     (the [1, 576] x [576, 49152] vocabulary projection of SmolLM2 took 31 ms, against 2.9 ms for
     two rows); and a float32 product of a few rows with a [N, K] weight (a verify step's k + 1
     positions through the vocabulary projection) is a multiply-and-reduce
-    (`_reduces_few_rows`)."""
+    (`_reduces_few_rows`). A packed weight (`tile_weights`) is unpacked first."""
+    if dense_cpu.is_packed(w):
+        w = dense_cpu.unpack(w)
     x = x.astype(w.dtype)
     if _reduces_few_rows(x, w, equation):
         return _few_rows_product(x, w)
@@ -212,6 +216,10 @@ class Attention(nnx.Module):
         self.v_proj = param((e, k * d), (EMBED, KV_HEADS), dtype, rngs, e)
         self.o_proj = param((h * d, e), (HEADS, EMBED), dtype, rngs, h * d)
 
+    def projections(self) -> tuple[nnx.Param, ...]:
+        """The weights stored [in, out]."""
+        return self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
     def __call__(self, x: jax.Array, layer: int, cache: CacheT, meta: AttentionMetadata,
                  inv_freq: jax.Array) -> tuple[jax.Array, CacheT]:
         b, t, _ = x.shape
@@ -232,6 +240,10 @@ class MLP(nnx.Module):
         self.gate_proj = param((e, f), (EMBED, FFN), dtype, rngs, e)
         self.up_proj = param((e, f), (EMBED, FFN), dtype, rngs, e)
         self.down_proj = param((f, e), (FFN, EMBED), dtype, rngs, f)
+
+    def projections(self) -> tuple[nnx.Param, ...]:
+        """The weights stored [in, out]."""
+        return self.gate_proj, self.up_proj, self.down_proj
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = dense_group(x, (self.gate_proj[...], self.up_proj[...]), "bte,ef->btf")
@@ -308,6 +320,24 @@ class Llama(nnx.Module):
             hidden, logit_index[:, :, None], axis=1)
         features = jnp.concatenate(taps + [hidden], axis=-1) if taps else hidden
         return self.logits(picked), features, cache
+
+
+def tile_weights(model: Llama) -> Llama:
+    """The model with each decoder layer's [in, out] projections that `kernels_cpu.dense.packs`
+    (bfloat16 on a CPU whose AMX tiles the kernel runs) stored in the tiles' layout
+    (`kernels_cpu.dense.pack`): its products then read them as stored at every row count, with
+    no packing per call (README, "Weights in the tiles' layout"). The model itself is returned
+    where nothing packs; else a copy whose other weights are the model's arrays. For one device:
+    under a mesh `dense` unpacks them every call."""
+    if not any(dense_cpu.packs(weight.get_value()) for layer in model.layers
+               for weight in (*layer.attn.projections(), *layer.mlp.projections())):
+        return model
+    tiled = nnx.clone(model)  # new variables over the same arrays
+    for layer in tiled.layers:
+        for weight in (*layer.attn.projections(), *layer.mlp.projections()):
+            if dense_cpu.packs(weight.get_value()):
+                weight.set_value(dense_cpu.pack(weight.get_value()))
+    return tiled
 
 
 def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from infer.model.llama import Llama
+from infer.model.llama import Llama, tile_weights
 from infer.sampling_params import is_real
 from infer.spec.draft_model import load_draft, self_draft
 from infer.spec.eagle_head import load_eagle
@@ -141,7 +141,9 @@ def make_proposer(config: SpeculativeConfig, model: Llama, runner_config: "Runne
                               config.suffix_min_prob, config.num_tokens,
                               config.suffix_corpus_tokens, config.suffix_corpus_prompts)
     if config.method == "draft":
-        return DraftModelProposer(load_draft(model, config.draft_path), runner_config, ids,
+        # Speculation runs on one device: the draft's projections as the target's are.
+        return DraftModelProposer(tile_weights(load_draft(model, config.draft_path)),
+                                  runner_config, ids,
                                   config.draft_confidence)
     if config.method == "self_draft":
         return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config,

@@ -102,3 +102,45 @@ def test_same_shape_products_in_one_program_never_materialize_the_broadcast() ->
         want = (x + (x @ w.T)[:, :k]) @ w.T
         np.testing.assert_allclose(np.asarray(two_steps(x, w)), np.asarray(want), rtol=2e-4,
                                    atol=2e-3)
+
+
+def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(monkeypatch
+                                                                              ) -> None:
+    """`tile_weights` packs every layer's projections into the CPU kernel's tile layout, in a copy:
+    the model keeps its weights, the copy shares the others (embedding, norms). The copy's
+    logits are the model's bit for bit where the model's own products take the tiles too
+    (tiles_from 1), so nothing is lost or reordered in the packing; a float32 model is
+    returned as it is."""
+    from flax import nnx
+
+    from infer.cache.contiguous import KVCache
+    from infer.cache.metadata import AttentionMetadata
+    from infer.model.config import get_config
+    from infer.model.llama import Llama, tile_weights
+    from kernels_cpu import dense as dense_cpu
+
+    if not dense_cpu.packs(jnp.zeros((32, 32), jnp.bfloat16)):
+        pytest.skip("weights are packed only where the CPU kernel runs AMX tiles")
+    config = get_config("tiny")
+    model = Llama(config, jnp.bfloat16, nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)))
+    tiled = tile_weights(model)
+    for layer, tiled_layer in zip(model.layers, tiled.layers):
+        for mine, theirs in zip((*layer.attn.projections(), *layer.mlp.projections()),
+                                (*tiled_layer.attn.projections(), *tiled_layer.mlp.projections())):
+            assert mine.get_value().ndim == 2 and dense_cpu.is_packed(theirs.get_value())
+            np.testing.assert_array_equal(np.asarray(dense_cpu.unpack(theirs.get_value())),
+                                          np.asarray(mine.get_value()))
+        assert tiled_layer.input_norm.weight.get_value() is layer.input_norm.weight.get_value()
+    assert tiled.embed.get_value() is model.embed.get_value()
+
+    def forward(m: Llama, tokens: np.ndarray) -> np.ndarray:
+        b, t = tokens.shape
+        cache = KVCache.create(config.num_layers, b, t, config.num_kv_heads, config.head_dim)
+        return np.asarray(m(jnp.asarray(tokens), cache,
+                            AttentionMetadata.for_prefill(jnp.full((b,), t), t))[0])
+
+    monkeypatch.setitem(dense_cpu.TILES_FROM, "kn", 1)
+    tokens = np.random.default_rng().integers(0, config.vocab_size, (2, 24))
+    np.testing.assert_array_equal(forward(tiled, tokens), forward(model, tokens))
+    model32 = Llama(config, jnp.float32, nnx.Rngs(0))
+    assert tile_weights(model32) is model32
