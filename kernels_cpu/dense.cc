@@ -15,7 +15,8 @@
 // x and w are float32 or bfloat16 (the same dtype); out is float32. bfloat16 is multiplied in
 // pairs by VDPBF16PS where the CPU has it (AVX512-BF16), else widened to float32 in registers (a
 // shift or a mask); products accumulate in float32. bfloat16 products of `tiles_from` rows or
-// more go to AMX tiles where the CPU has them (`kn_tiles`, `nk_tiles`).
+// more go to AMX tiles where the CPU has them (`kn_tiles`, `nk_tiles`), and so does every
+// product with a weight stored in the tiles' layout at load (rank 4, `kn_packed`).
 //
 // Each output element is summed in an order fixed by K and the layout alone, never by the number
 // of rows or the split between threads, so a row's result is the same bits whether it is
@@ -639,7 +640,9 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
 // (w[k][c], w[k + 1][c]) in a buffer of its own, row by row, the interleave kn_strip does in
 // registers; the tiles then read it from cache. That packing reads the weight at about half the
 // speed of the few-row passes (measured), so fewer rows stay on them, and even 16-48 rows run
-// at 7-11 GB/s, far from the read floor: a weight stored packed at load would remove it.
+// at 7-11 GB/s, far from the read floor: the model's weights are stored packed at load
+// instead (`kn_packed`); this path is for the weights that are not (K or N off 32, or under
+// INFER_TILED_WEIGHTS=0).
 // (Packing each weight whole first, 32 rows a unit read front to back, then multiplying the
 // strips from it, was slower still at 9-32 rows: 24-28 ms against 19-27 for 30 layers.)
 //
@@ -809,7 +812,9 @@ void kn_tiles(const Operands<uint16_t>& o, int64_t s0, int64_t s1) {
 // the rows, 1-16 rows alike (single-thread scratch, 576 x 1536: 24-28 GB/s at 1-16 rows, where
 // kn_tiles packs at 11 GB/s and the VDPBF16PS rows at 28 GB/s for 1 row, 18 for 4, 9 for 8).
 // Each sum takes the pairs in the order kn_tiles does, so the bits are kn_tiles' at every row
-// count. Needs K and N multiples of 32. Units are 32-column groups.
+// count. Needs K and N multiples of 32. Units are 32-column groups. (Prefetching the weight's
+// tiles two steps ahead into L1 was 10-20% faster on one thread, scratch, but 0-6% slower at
+// 1-8 rows and no faster at 16-64 in the two-thread `experiments.dense_cpu` run: dropped.)
 void kn_packed(const Operands<uint16_t>& o, int64_t g0, int64_t g1) {
   configure_tiles();
   const int64_t column_tile = o.K * kTileRows;  // values per 16 columns
