@@ -291,3 +291,35 @@ def test_prefix_caching_keeps_greedy_outputs_smollm2(smollm2_4_layers) -> None:
     assert cached == plain
     assert no_stats == {}
     assert stats["hits"] >= 7 and stats["prefill_tokens_saved"] >= 7 * 32
+
+
+def test_an_engine_on_one_cpu_device_runs_its_projections_in_the_tile_layout(monkeypatch
+                                                                            ) -> None:
+    """Where the CPU kernel runs AMX tiles, a bfloat16 engine on one device holds its layers'
+    projections packed (`tile_weights`; `engine.model`), leaving the caller's model as loaded,
+    and serves the tokens an engine over the weights as loaded serves when its products take
+    the same tiles (tiles from 1 row): the packing changes where the weights lie, not a bit of
+    any logit. Under INFER_TILED_WEIGHTS=0 (`TILED_WEIGHTS`) nothing is packed."""
+    from flax import nnx
+
+    from infer.model.llama import Llama
+    from kernels_cpu import dense as dense_cpu
+
+    if not dense_cpu.packs(jnp.zeros((32, 32), jnp.bfloat16)):
+        pytest.skip("weights are packed only where the CPU kernel runs AMX tiles")
+    model = Llama(TINY, jnp.bfloat16, nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)))
+    config = EngineConfig(max_num_seqs=4, max_prefill_tokens=64, max_model_len=96)
+    monkeypatch.setitem(dense_cpu.TILES_FROM, "kn", 1)
+    inputs = prompts(6, seed=5)
+    # Sampled at a high temperature (the random model's logits span ~100; greedy tokens hardly
+    # depend on the layers): each draw depends on every logit.
+    params = [SamplingParams(temperature=40.0, top_p=0.95, seed=i, max_tokens=10,
+                             ignore_eos=True) for i in range(len(inputs))]
+    tiled = Engine(model, None, config)
+    up = lambda m: m.layers[0].mlp.up_proj.get_value()
+    assert dense_cpu.is_packed(up(tiled.model)) and up(model).ndim == 2
+    got = serve(tiled, inputs, params)
+    monkeypatch.setattr(dense_cpu, "TILED_WEIGHTS", False)
+    as_loaded = Engine(model, None, config)
+    assert as_loaded.model is model
+    assert serve(as_loaded, inputs, params) == got
