@@ -384,9 +384,9 @@ def test_a_packed_weight_gives_the_tiles_bits_at_every_row_count() -> None:
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     tiled = _multiply_with_tiles_from(1)
-    for trial in range(8):
+    for trial in range(4):
         k, n = 32 * int(rng.integers(1, 50)), 32 * int(rng.integers(1, 50))
-        if trial % 3 == 0:  # past the threading threshold
+        if trial == 0:  # past the threading threshold
             k, n = 576, 1536
         packed_w = None
         for m in [0, 1, 2, 15, 16, 17, 31, 32, 33, int(rng.integers(34, 101))]:
