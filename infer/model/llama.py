@@ -340,6 +340,12 @@ def tile_weights(model: Llama) -> Llama:
     return tiled
 
 
+def is_tiled(model: Llama) -> bool:
+    """Whether any of the model's projections is in the CPU kernel's tile layout."""
+    return any(dense_cpu.is_packed(weight.get_value()) for layer in model.layers
+               for weight in (*layer.attn.projections(), *layer.mlp.projections()))
+
+
 def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:
     """Feature layers are distinct decoder-layer indices in increasing order (the order in
     which `Llama.__call__` concatenates them, so a head's fuse weight reads them as trained)."""

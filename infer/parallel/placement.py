@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from infer.model.llama import Llama
+from infer.model.llama import Llama, is_tiled
 from infer.model.sharding import DEFAULT_RULES, ShardingRules
 from infer.parallel.heads import apply_head_layout, head_layout
 from infer.parallel.mesh import ParallelConfig
@@ -36,6 +36,10 @@ def _shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> list[Named
 def place_model(model: Llama, mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> Llama:
     """The model with every weight on the mesh (sharded by its logical axes), or on the default
     device without a mesh. Weights may be numpy arrays or jax arrays anywhere."""
+    if mesh is not None and is_tiled(model):
+        # The logical axes name an [in, out] weight's two dims, not the packed layout's four.
+        raise ValueError("this model's projections are in the CPU kernel's tile layout "
+                         "(`tile_weights`, for one device): place the model as loaded")
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     if mesh is None:

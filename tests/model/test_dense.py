@@ -110,13 +110,13 @@ def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(m
     the model keeps its weights, the copy shares the others (embedding, norms). The copy's
     logits are the model's bit for bit where the model's own products take the tiles too
     (tiles_from 1), so nothing is lost or reordered in the packing; a float32 model is
-    returned as it is."""
+    returned as it is; placing a tiled model on a mesh is refused."""
     from flax import nnx
 
     from infer.cache.contiguous import KVCache
     from infer.cache.metadata import AttentionMetadata
     from infer.model.config import get_config
-    from infer.model.llama import Llama, tile_weights
+    from infer.model.llama import Llama, is_tiled, tile_weights
     from kernels_cpu import dense as dense_cpu
 
     if not dense_cpu.packs(jnp.zeros((32, 32), jnp.bfloat16)):
@@ -144,3 +144,8 @@ def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(m
     np.testing.assert_array_equal(forward(tiled, tokens), forward(model, tokens))
     model32 = Llama(config, jnp.float32, nnx.Rngs(0))
     assert tile_weights(model32) is model32
+    # The mesh's rules name an [in, out] weight's dims: a tiled model is for one device.
+    from infer.parallel.placement import place_model
+    assert is_tiled(tiled) and not is_tiled(model)
+    with pytest.raises(ValueError, match="tile layout"):
+        place_model(tiled, jax.make_mesh((1, 1), ("data", "model")))
