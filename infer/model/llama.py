@@ -329,21 +329,24 @@ def tile_weights(model: Llama) -> Llama:
     no packing per call (README, "Weights in the tiles' layout"). The model itself is returned
     where nothing packs; else a copy whose other weights are the model's arrays. For one device:
     under a mesh `dense` unpacks them every call."""
-    if not any(dense_cpu.packs(weight.get_value()) for layer in model.layers
-               for weight in (*layer.attn.projections(), *layer.mlp.projections())):
+    if not any(dense_cpu.packs(weight.get_value()) for weight in _projections(model)):
         return model
     tiled = nnx.clone(model)  # new variables over the same arrays
-    for layer in tiled.layers:
-        for weight in (*layer.attn.projections(), *layer.mlp.projections()):
-            if dense_cpu.packs(weight.get_value()):
-                weight.set_value(dense_cpu.pack(weight.get_value()))
+    for weight in _projections(tiled):
+        if dense_cpu.packs(weight.get_value()):
+            weight.set_value(dense_cpu.pack(weight.get_value()))
     return tiled
 
 
 def is_tiled(model: Llama) -> bool:
     """Whether any of the model's projections is in the CPU kernel's tile layout."""
-    return any(dense_cpu.is_packed(weight.get_value()) for layer in model.layers
-               for weight in (*layer.attn.projections(), *layer.mlp.projections()))
+    return any(dense_cpu.is_packed(weight.get_value()) for weight in _projections(model))
+
+
+def _projections(model: Llama) -> list[nnx.Param]:
+    """Every decoder layer's weights stored [in, out]."""
+    return [weight for layer in model.layers
+            for weight in (*layer.attn.projections(), *layer.mlp.projections())]
 
 
 def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:
