@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from typing import TYPE_CHECKING, Sequence
-
-import numpy as np
 
 from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
 from infer.sampling_params import SamplingParams, is_integer
@@ -103,17 +102,21 @@ class RequestMetrics:
     @classmethod
     def from_token_times(cls, arrival_s: float, token_times: Sequence[float],
                          num_prompt_tokens: int, finished: bool = True,
-                         num_cached_tokens: int = 0, num_preemptions: int = 0
-                         ) -> "RequestMetrics":
+                         num_cached_tokens: int = 0, num_preemptions: int = 0,
+                         gaps: Sequence[float] | None = None) -> "RequestMetrics":
         """The latencies of a request that arrived at `arrival_s` and got a token at each of
-        `token_times` (the engine's requests and the peers' streams alike); e2e once finished."""
-        # The engine asks for every running request's metrics at every step, so this is
-        # O(tokens) in numpy rather than in Python: the same float64 differences and mean.
+        `token_times` (the engine's requests and the peers' streams alike); e2e once finished.
+        `gaps`: the differences of consecutive token times, where the caller keeps them as
+        tokens come (the engine asks for every running request's metrics at every step, and
+        recomputing them made that O(tokens) per request per step)."""
         times = token_times
-        gaps = np.diff(np.asarray(times, np.float64))
-        itl = tuple(gaps.tolist())
+        if gaps is None:
+            gaps = [b - a for a, b in zip(times, times[1:])]
+        elif len(gaps) != max(len(times) - 1, 0):
+            raise ValueError(f"{len(gaps)} gaps between {len(times)} token times")
+        itl = tuple(gaps)
         return cls(arrival_s=arrival_s, ttft_s=times[0] - arrival_s if times else None,
-                   tpot_s=float(np.mean(gaps)) if itl else None,
+                   tpot_s=math.fsum(itl) / len(itl) if itl else None,
                    e2e_s=times[-1] - arrival_s if times and finished else None, itl_s=itl,
                    num_prompt_tokens=num_prompt_tokens, num_output_tokens=len(times),
                    num_cached_tokens=num_cached_tokens, num_preemptions=num_preemptions)
@@ -164,6 +167,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         self.token_times: list[float] = []
+        self._token_gaps: list[float] = []  # token_times' differences, for metrics()
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
@@ -201,7 +205,10 @@ class Request:
         if self.constraint is not None:
             self.constraint.consume(token)
         self.output_ids.append(int(token))
-        self.token_times.append(time.perf_counter() if now is None else now)
+        now = time.perf_counter() if now is None else now
+        if self.token_times:
+            self._token_gaps.append(now - self.token_times[-1])
+        self.token_times.append(now)
         searched = len(self._text)
         if self._detok is not None:
             self._text += self._detok.step(self.output_ids)
@@ -247,7 +254,8 @@ class Request:
     def metrics(self) -> RequestMetrics:
         return RequestMetrics.from_token_times(
             self.arrival_s, self.token_times, len(self.prompt_token_ids), self.finished,
-            num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions)
+            num_cached_tokens=self.num_cached_tokens, num_preemptions=self.num_preemptions,
+            gaps=self._token_gaps)
 
     def output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,

@@ -1,14 +1,17 @@
-"""RequestMetrics.from_token_times, which the engine calls for every running request at every
-step and the serving peers call once per stream: the latencies by their definitions, at random
-token times (none, one, many; times far from zero, where float64 differences round)."""
+"""RequestMetrics.from_token_times, which the engine calls (through Request.metrics) for every
+running request at every step and the serving peers call once per stream: the latencies by
+their definitions, at random token times (none, one, many; times far from zero, where float64
+differences round)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 
-from infer.engine.request import RequestMetrics
+from infer.engine.request import Request, RequestMetrics
+from infer.sampling_params import SamplingParams
 
 
 def test_latencies_follow_their_definitions_at_random_token_times() -> None:
@@ -34,3 +37,27 @@ def test_latencies_follow_their_definitions_at_random_token_times() -> None:
             assert m.tpot_s is None
         else:
             assert math.isclose(m.tpot_s, math.fsum(m.itl_s) / (n - 1), rel_tol=1e-12), seed
+
+
+def test_request_keeps_gaps_as_tokens_come_equal_to_recomputing_them() -> None:
+    """Request.metrics() passes the gaps it appends token by token; at every step they must be
+    the ones from_token_times computes from the times alone."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        n = int(rng.integers(1, 200))
+        arrival = float(rng.uniform(0, 1e6))
+        times = (arrival + np.cumsum(rng.exponential(0.05, n))).tolist()
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True), None,
+                          arrival_s=arrival)
+        for i, now in enumerate(times):
+            request.append(int(rng.integers(100)), now=now)
+            got = request.metrics()
+            want = RequestMetrics.from_token_times(arrival, times[:i + 1], 3, i + 1 == n)
+            assert got == want, (seed, i)
+        assert request.finished
+
+
+def test_gaps_that_do_not_match_the_times_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 gaps between 4 token times"):
+        RequestMetrics.from_token_times(0.0, [1.0, 2.0, 3.0, 4.0], 1, gaps=[1.0, 1.0])
