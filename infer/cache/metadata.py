@@ -134,7 +134,7 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
                    write_ends: np.ndarray | None = None,
                    names: Sequence[str] | None = None,
                    with_windows: bool | None = None) -> AttentionMetadata:
-    """Device metadata for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
+    """Metadata, as host arrays, for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
     `q_lens` [rows] of them valid, sequence i (`pages[i]`, called `names[i]` in errors, e.g.
     "request 'id'") in row `row_of[i]` (default i), page tables `width` pages wide.
 
@@ -167,8 +167,10 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
         for i, seq in zip(row_of, pages):
             if seq.window is not None:
                 windows[i] = seq.window
-    # One device_put of every array, not jnp.asarray: that compiles a small copy program for
-    # each new shape.
-    return jax.device_put(AttentionMetadata(
+    # Host arrays: the jitted step they go to moves them with its other arguments, in its C++
+    # dispatch. A `jax.device_put` per step cost more host time than that (about 0.3 ms a call
+    # on 2 cores, taken from the step's own threads), and eager `jnp.asarray` would compile a
+    # copy program for each new shape.
+    return AttentionMetadata(
         positions=positions, lengths=cached + q_lens, q_lens=q_lens,
-        page_tables=page_tables(pages, rows, width, row_of), windows=windows))
+        page_tables=page_tables(pages, rows, width, row_of), windows=windows)

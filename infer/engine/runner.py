@@ -198,9 +198,10 @@ class Runner:
     def _inputs(self, seqs: Sequence[SeqState], tokens: np.ndarray, cached: np.ndarray,
                 q_lens: np.ndarray, width: int, sample_index: np.ndarray,
                 feed: jax.Array | None = None) -> tuple:
-        """Device arrays for one step, built on the host and moved by `jax.device_put`: eager
-        jnp here (arithmetic, even `jnp.asarray`) would compile small programs of its own for
-        every new shape, after warm-up. `sample_index` [rows]: each row's tokens sampled so far,
+        """One step's inputs: host arrays, which the jitted step moves itself (`paged_metadata`
+        says why not `jax.device_put`; eager jnp here, even `jnp.asarray`, would compile small
+        programs of its own for every new shape), and the sampling arrays, which stay on the
+        device while the batch does. `sample_index` [rows]: each row's tokens sampled so far,
         its position in its PRNG stream. One token per row goes as [rows] (the step's sampled
         tokens have that shape): `feed`, the tokens of a step still on the device, replaces
         `tokens` then."""
@@ -210,11 +211,8 @@ class Runner:
                               with_windows=self._with_windows)
         if feed is not None and feed.shape != (b,):
             raise ValueError(f"a step of {b} rows fed {feed.shape} tokens")
-        if feed is None:
-            tok, index = jax.device_put((tokens[:, 0] if t == 1 else tokens, sample_index))
-        else:
-            tok, index = feed, jax.device_put(sample_index)
-        return tok, meta, self._sampling(seqs, b), index
+        tok = (tokens[:, 0] if t == 1 else tokens) if feed is None else feed
+        return tok, meta, self._sampling(seqs, b), sample_index
 
     def _sampling(self, seqs: Sequence[SeqState], rows: int) -> SamplingArrays:
         """The rows' sampling arrays; with a structured-output bitmask when some row is
@@ -326,10 +324,10 @@ class Runner:
         tokens[:len(ids)], tokens[t:] = ids, decode_tokens
         logit_index = np.concatenate([[max(len(ids) - 1, 0)], t + np.arange(rows)])
         chunk_index = [len(chunk.seq.request.output_ids)] if chunk is not None else [0]
-        return (jax.device_put(tokens[None]), MixedMetadata((chunk_meta, decode_meta)),
-                jax.device_put(logit_index[None].astype(np.int32)),
+        return (tokens[None], MixedMetadata((chunk_meta, decode_meta)),
+                logit_index[None].astype(np.int32),
                 self._sampling(chunk_seqs + list(seqs), rows + 1),
-                jax.device_put(np.concatenate([chunk_index, decode_index]).astype(np.int32)))
+                np.concatenate([chunk_index, decode_index]).astype(np.int32))
 
     def _mixed(self, plan: StepPlan) -> tuple[Emitted, EmittedLogprobs]:
         """A prefill chunk and every decode row in one forward: the weights are read once for
