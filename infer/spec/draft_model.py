@@ -41,14 +41,15 @@ def _shell(config: LlamaConfig, dtype: jnp.dtype) -> Llama:
 
 def self_draft(target: Llama, num_layers: int) -> Llama:
     """The target's first `num_layers` layers, final norm and head, as a Llama of
-    `config.replace(num_layers=num_layers)` holding the target's own arrays (no copy)."""
+    `config.replace(num_layers=num_layers)` holding the target's own arrays (no copy), in the
+    layout the target holds them (`tile_weights`' included)."""
     n_target = target.config.num_layers
     if not 1 <= num_layers <= n_target:
         raise ValueError(f"self_draft needs 1 <= num_layers <= {n_target}, got {num_layers}")
-    config = target.config.replace(name=f"{target.config.name}[:{num_layers}]",
-                                   num_layers=num_layers)
-    draft = _shell(config, _weight_dtype(target))
-    assign_params(draft, named_params(target), strict=False)  # layers >= n have no slot
+    draft = nnx.clone(target)  # new variables over the same arrays
+    draft.config = target.config.replace(name=f"{target.config.name}[:{num_layers}]",
+                                         num_layers=num_layers)
+    draft.layers = nnx.List(list(draft.layers)[:num_layers])
     return draft
 
 
