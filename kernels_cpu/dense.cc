@@ -16,7 +16,9 @@
 // pairs by VDPBF16PS where the CPU has it (AVX512-BF16), else widened to float32 in registers (a
 // shift or a mask); products accumulate in float32. bfloat16 products of `tiles_from` rows or
 // more go to AMX tiles where the CPU has them (`kn_tiles`, `nk_tiles`), and so does every
-// product with a weight stored in the tiles' layout at load (rank 4, `kn_packed`).
+// product with a weight stored in the tiles' layout at load (rank 4, `kn_packed`). A float32
+// weight stored as strips at load (rank 3, `kn_strips_packed`) takes the register tiles at every
+// row count, with the [K, N] weight's bits.
 //
 // Each output element is summed in an order fixed by K and the layout alone, never by the number
 // of rows or the split between threads, so a row's result is the same bits whether it is
@@ -490,9 +492,11 @@ struct LineWalk {
 
 // Rows [0, R) of the strip at column c, over the weight rows [k0, k1) of one block: `total`
 // ([R, 32], the strip's sums so far in partials_order) gets this block's sums added (`first`:
-// set to them); after the `last` block the totals go to `out` ([R, N]) in column order.
+// set to them); after the `last` block the totals go to `out` ([R, N]) in column order. The
+// strip's weight row k starts at wc + k * ldw: a [K, N] weight's (wc = w + c, ldw = N), or a
+// strip stored whole (`kn_strips_packed`: ldw = 32).
 template <int R, bool kMasked, typename T>
-inline void kn_strip(const float* x, const uint16_t* x16, const T* w, float* total,
+inline void kn_strip(const float* x, const uint16_t* x16, const T* wc, int64_t ldw, float* total,
                      int64_t total_stride, float* out, int64_t K, int64_t N, int64_t k0,
                      int64_t k1, int64_t c, LineWalk* walk, bool first, bool last) {
   __m512 a[R], b[R];  // the partial sums of columns [c, c + 32), in the block's Order
@@ -509,8 +513,9 @@ inline void kn_strip(const float* x, const uint16_t* x16, const T* w, float* tot
     const __mmask16 m1 = kMasked ? (N - c > kLanes ? tail_mask(N - c - kLanes) : 0) : m0;
     for (int64_t k = k0; k < k1; ++k) {
       fetch_ahead();
-      const __m512 w0 = kMasked ? load(w + k * N + c, m0) : load(w + k * N + c);
-      const __m512 w1 = kMasked ? load(w + k * N + c + kLanes, m1) : load(w + k * N + c + kLanes);
+      const float* row = wc + k * ldw;
+      const __m512 w0 = kMasked ? load(row, m0) : load(row);
+      const __m512 w1 = kMasked ? load(row + kLanes, m1) : load(row + kLanes);
       UNROLL for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * K + k]);
         a[r] = _mm512_fmadd_ps(xv, w0, a[r]);
@@ -520,8 +525,8 @@ inline void kn_strip(const float* x, const uint16_t* x16, const T* w, float* tot
   } else {
     const __mmask32 mask = kMasked ? tail_mask32(N - c) : __mmask32(0xFFFFFFFFu);
     auto load_row = [&](int64_t k) {
-      return kMasked ? _mm512_maskz_loadu_epi16(mask, w + k * N + c)
-                     : _mm512_loadu_si512(w + k * N + c);
+      return kMasked ? _mm512_maskz_loadu_epi16(mask, wc + k * ldw)
+                     : _mm512_loadu_si512(wc + k * ldw);
     };
 #if defined(__AVX512BF16__)
     // Pairs (k, k + 1) from k0, as kn_rows_dot; an odd last row is paired with zeros.
@@ -582,22 +587,22 @@ inline void kn_strip(const float* x, const uint16_t* x16, const T* w, float* tot
 
 // The same for `rows` <= R rows.
 template <int R = kTiledTileRows, typename T>
-void kn_strip_rows(const float* x, const uint16_t* x16, const T* w, float* total,
+void kn_strip_rows(const float* x, const uint16_t* x16, const T* wc, int64_t ldw, float* total,
                    int64_t total_stride, float* out, int64_t K, int64_t N, int64_t k0, int64_t k1,
                    int64_t c, int64_t rows, LineWalk* walk, bool first, bool last) {
   if constexpr (R > 1) {
     if (rows < R) {
-      kn_strip_rows<R - 1, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, rows, walk,
-                              first, last);
+      kn_strip_rows<R - 1, T>(x, x16, wc, ldw, total, total_stride, out, K, N, k0, k1, c, rows,
+                              walk, first, last);
       return;
     }
   }
   if (c + 2 * kLanes <= N)
-    kn_strip<R, false, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, walk, first,
-                          last);
+    kn_strip<R, false, T>(x, x16, wc, ldw, total, total_stride, out, K, N, k0, k1, c, walk,
+                          first, last);
   else
-    kn_strip<R, true, T>(x, x16, w, total, total_stride, out, K, N, k0, k1, c, walk, first,
-                         last);
+    kn_strip<R, true, T>(x, x16, wc, ldw, total, total_stride, out, K, N, k0, k1, c, walk,
+                         first, last);
 }
 
 // Output columns [32 s0, 32 s1) of every row, over all of K, a block of weight rows at a time.
@@ -620,11 +625,47 @@ void kn_strips(const Operands<T>& o, int64_t s0, int64_t s1) {
     for (int64_t c = c0; c < c1; c += 2 * kLanes) {
       for (int64_t m = 0; m < o.M; m += kTiledTileRows) {
         kn_strip_rows<kTiledTileRows, T>(
-            o.x ? o.x + m * o.K : nullptr, o.x16 ? o.x16 + m * o.K : nullptr, o.w,
+            o.x ? o.x + m * o.K : nullptr, o.x16 ? o.x16 + m * o.K : nullptr, o.w + c, o.N,
             total.data() + m * width + (c - c0), width, o.out + m * o.N, o.K, o.N, k0, k1, c,
             std::min<int64_t>(kTiledTileRows, o.M - m), m == 0 ? line_walk : nullptr, k0 == 0,
             k1 == o.K);
       }
+    }
+  }
+}
+
+// float32 "kn" weights stored as strips at load (`kernels_cpu.dense.pack`): [N / 32, K, 32],
+// packed[t, k, j] = w[k, 32 t + j], each strip's K rows of 32 columns one contiguous run. Read
+// down a [K, N] weight, a strip's rows lie N * 4 bytes apart (6 KB for the MLP's 1,536
+// columns), each on a page of its own, and a block of 96 of them ran at about half the FMA
+// rate even in cache; stored whole it runs at 70% of it (scratch, one thread, 32 rows: 149
+// against 110 GFLOP/s in cache, 99 against 68 streamed from memory). Every row count takes
+// kn_strip here, whose sums take kn_block's order, so a row's bits are those of the [K, N]
+// weight's paths at any row count. The next block of the stream, this strip's or the next
+// one's, is fetched into L2 while this block computes.
+void kn_strips_packed(const Operands<float>& o, int64_t s0, int64_t s1) {
+  constexpr int64_t kStrip = 2 * kLanes;
+  thread_local std::vector<float> total;  // one strip's running sums, [M, 32]
+  if (int64_t(total.size()) < o.M * kStrip) total.resize(o.M * kStrip);
+  const int64_t stream_rows = (o.N / kStrip) * o.K;  // the weight's rows of 32, strip after strip
+  for (int64_t s = s0; s < s1; ++s) {
+    const float* strip = o.w + s * o.K * kStrip;
+    for (int64_t k0 = 0; k0 < o.K; k0 += kKnBlockRows) {
+      const int64_t k1 = std::min(o.K, k0 + kKnBlockRows);
+      const int64_t ahead = std::min(kKnBlockRows, stream_rows - (s * o.K + k1));
+      LineWalk walk{reinterpret_cast<const char*>(strip + k1 * kStrip),
+                    kStrip * int64_t(sizeof(float)), 2, 0, 2 * ahead};
+#if defined(INFER_DENSE_NO_LINE_WALK)
+      LineWalk* line_walk = nullptr;
+#else
+      LineWalk* line_walk = &walk;
+#endif
+      for (int64_t m = 0; m < o.M; m += kTiledTileRows)
+        kn_strip_rows<kTiledTileRows, float>(
+            o.x + m * o.K, nullptr, strip, kStrip, total.data() + m * kStrip, kStrip,
+            o.out + m * o.N, o.K, o.N, k0, k1, s * kStrip,
+            std::min<int64_t>(kTiledTileRows, o.M - m), m == 0 ? line_walk : nullptr, k0 == 0,
+            k1 == o.K);
     }
   }
 }
@@ -929,13 +970,19 @@ constexpr int64_t kParallelBytes = 512 * 1024;
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
 // kTiledRows rows or more, a 32-column strip of its output.
-enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnTiles, kNkTiles, kKnPacked };
+enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnStripsPacked, kKnTiles, kNkTiles, kKnPacked };
 
 template <typename T>
 void run_units(const Operands<T>& o, float* partials, Split split, int64_t first, int64_t last) {
   if (split == Split::kKnStrips) {
     kn_strips(o, first, last);
     return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (split == Split::kKnStripsPacked) {
+      kn_strips_packed(o, first, last);
+      return;
+    }
   }
 #if defined(INFER_DENSE_AMX)
   if constexpr (std::is_same_v<T, uint16_t>) {
@@ -978,12 +1025,16 @@ struct Product {
 // hand-off to the pool instead of one per weight, and weights too small to be worth splitting
 // on their own (a key projection: 221 KB in bfloat16) share the threads with the rest. Each
 // product's units and sums are those of the product alone, so its bits are too. `packed`: every
-// weight is "kn" in the tiles' layout (kn_packed; the caller checked tiles_permitted()).
+// weight is "kn" and stored at load, bfloat16 in the tiles' layout (kn_packed; the caller
+// checked tiles_permitted()), float32 as strips (kn_strips_packed).
 template <typename T>
 void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool nk,
               int64_t tiles_from, bool packed = false) {
   const int64_t M = ops.front().M;
   Split split = nk ? Split::kNkRows : (M >= kTiledRows ? Split::kKnStrips : Split::kKnBlocks);
+  if constexpr (std::is_same_v<T, float>) {
+    if (packed) split = Split::kKnStripsPacked;
+  }
 #if defined(INFER_DENSE_AMX)
   std::vector<uint16_t, AlignedAllocator<uint16_t>> x_tiles;
   int64_t k_tiles = 0;
@@ -1021,6 +1072,7 @@ void multiply(ffi::ThreadPool& pool, const std::vector<Operands<T>>& ops, bool n
     const Operands<T>& o = ops[i];
     p.units = split == Split::kNkRows    ? (o.N + kNkUnit - 1) / kNkUnit
               : split == Split::kKnStrips ? (o.N + 2 * kLanes - 1) / (2 * kLanes)
+              : split == Split::kKnStripsPacked ? o.N / (2 * kLanes)
 #if defined(INFER_DENSE_AMX)
               : split == Split::kKnTiles ? (o.N + kTileStrip - 1) / kTileStrip
               : split == Split::kNkTiles ? (o.N + kNkTileUnit - 1) / kNkTileUnit
@@ -1073,10 +1125,16 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
   std::vector<ffi::AnyBuffer> ws;
   std::vector<float*> os;
   std::vector<int64_t> ns;
-  // Weights of rank 4 are "kn" weights in the tiles' layout (kn_packed), all or none of them.
+  // Weights stored at load, all or none of them: rank 4, bfloat16 "kn" weights in the tiles'
+  // layout (kn_packed); rank 3, float32 "kn" weights as strips (kn_strips_packed).
   const auto first = weights.get<ffi::AnyBuffer>(0);
-  const bool packed = first.has_value() && first->dimensions().size() == 4;
-  if (packed) {
+  const size_t first_rank = first.has_value() ? first->dimensions().size() : 0;
+  const bool strips = first_rank == 3;
+  const bool packed = first_rank == 4 || strips;
+  if (strips && (nk || x.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "dense_cpu: weights stored as strips are float32 \"kn\" weights");
+  if (packed && !strips) {
 #if defined(INFER_DENSE_AMX)
     if (nk || x.element_type() != ffi::DataType::BF16 || !tiles_permitted() || K % 32 != 0)
       return ffi::Error::InvalidArgument(
@@ -1092,14 +1150,17 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
     if (!w.has_value() || !out.has_value())
       return ffi::Error::InvalidArgument("dense_cpu: weights must be arrays, outputs float32");
     const auto wd = w->dimensions();
-    if (packed ? wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[0] % 2 != 0 : wd.size() != 2)
+    if (strips ? wd.size() != 3 || wd[2] != 2 * kLanes
+               : packed ? wd.size() != 4 || wd[2] != 16 || wd[3] != 2 || wd[0] % 2 != 0
+                        : wd.size() != 2)
       return ffi::Error::InvalidArgument(
-          "dense_cpu: w must be 2-D, or all weights packed [N / 16 (even), K / 2, 16, 2]");
+          "dense_cpu: w must be 2-D, or all weights packed: [N / 16 (even), K / 2, 16, 2] "
+          "(bfloat16) or [N / 32, K, 32] (float32)");
     if (w->element_type() != x.element_type())
       return ffi::Error::InvalidArgument("dense_cpu: x and w must share a dtype");
-    if ((packed ? 2 * wd[1] : nk ? wd[1] : wd[0]) != K)
+    if ((strips ? wd[1] : packed ? 2 * wd[1] : nk ? wd[1] : wd[0]) != K)
       return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
-    const int64_t N = packed ? 16 * wd[0] : nk ? wd[0] : wd[1];
+    const int64_t N = strips ? 2 * kLanes * wd[0] : packed ? 16 * wd[0] : nk ? wd[0] : wd[1];
     float* o = (*out)->typed_data();
     if (M == 0 || N == 0) continue;
     if (K == 0) {
@@ -1117,7 +1178,7 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
       for (size_t i = 0; i < ws.size(); ++i)
         ops.push_back({static_cast<const float*>(x.untyped_data()), nullptr,
                        static_cast<const float*>(ws[i].untyped_data()), os[i], M, K, ns[i]});
-      multiply(pool, ops, nk, tiles_from);
+      multiply(pool, ops, nk, tiles_from, packed);
       return ffi::Error::Success();
     }
     case ffi::DataType::BF16: {

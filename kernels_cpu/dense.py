@@ -21,11 +21,16 @@ does not depend on which other rows share the call (batch invariance), except th
 bfloat16 row differs between calls of fewer and of TILES_FROM or more rows
 (`INFER_BATCH_INVARIANT=1` turns the tiles off).
 
-Where the tiles run, a bfloat16 [in, out] weight can be stored in their layout once, at load
-(`pack`; `infer.model.llama.tile_weights` packs a model's projections, the engine does it on one
-CPU device): the tiles then read it as stored, at every row count, with no packing per call
-(`packs` says which weights; INFER_TILED_WEIGHTS=0 keeps them as they are). A row's bits through
-a packed weight are the same in a product of any number of rows.
+An [in, out] weight can be stored in the kernel's layout once, at load (`pack`;
+`infer.model.llama.tile_weights` packs a model's projections, the engine does it on one CPU
+device; `packs` says which weights; INFER_TILED_WEIGHTS=0 keeps them as they are):
+- bfloat16, where the AMX tiles run, in the tiles' layout: the tiles read it as stored, at every
+  row count, with no packing per call; a row's bits through it are the same in a product of
+  any number of rows;
+- float32 as strips of 32 output columns, each strip's rows contiguous: the register tiles of
+  batched products read it without a page per weight row, at every row count. Its products
+  are the kernel's products of the [in, out] weight, bit for bit (past ROWS, where XLA would
+  multiply the [in, out] weight, they differ in the last bits).
 
 `reference` is the jnp product it must equal, `multiply` the kernel (`multiply_group`: one
 activation against several weights in one call), `ROWS` the products `dense` hands it.
@@ -140,6 +145,8 @@ TILES_FROM = tiles_from_for(cpu_flags(), BATCH_INVARIANT)
 # The tiles' weight layout: 16 output columns a tile, each row a pair of weight rows
 # ([N / 16, K / 2, 16, 2]; kernels_cpu/dense.cc, `kn_packed`).
 TILE_COLUMNS = 16
+# The float32 strips' layout: 32 output columns a strip ([N / 32, K, 32]; `kn_strips_packed`).
+STRIP_COLUMNS = 32
 TILED_WEIGHTS = os.environ.get("INFER_TILED_WEIGHTS", "1") == "1"
 
 
@@ -149,25 +156,41 @@ def _tiles_permitted() -> bool:
 
 
 def packs(w: jax.Array | np.ndarray) -> bool:
-    """Whether `pack` should store this [in, out] weight in the tiles' layout: bfloat16, K and
-    N multiples of 32, on a CPU whose tiles the kernel runs (TILES_FROM, so not under
-    INFER_BATCH_INVARIANT=1) and may use (Linux's permission, asked of the kernel), unless
-    INFER_TILED_WEIGHTS=0."""
-    return (TILED_WEIGHTS and TILES_FROM["kn"] > 0 and w.ndim == 2
-            and jnp.dtype(w.dtype) == jnp.bfloat16 and w.shape[0] % 32 == 0
-            and w.shape[1] % 32 == 0 and jax.default_backend() == "cpu" and _tiles_permitted())
+    """Whether `pack` should store this [in, out] weight in the kernel's layout, unless
+    INFER_TILED_WEIGHTS=0: bfloat16 with K and N multiples of 32 on a CPU whose tiles the kernel
+    runs (TILES_FROM, so not under INFER_BATCH_INVARIANT=1) and may use (Linux's permission,
+    asked of the kernel); float32 with N a multiple of 32 wherever the kernel runs."""
+    if not (TILED_WEIGHTS and w.ndim == 2 and jax.default_backend() == "cpu"):
+        return False
+    if jnp.dtype(w.dtype) == jnp.float32:
+        return w.shape[1] % STRIP_COLUMNS == 0 and available()
+    return (TILES_FROM["kn"] > 0 and jnp.dtype(w.dtype) == jnp.bfloat16
+            and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0 and _tiles_permitted())
+
+
+def _is_strips(w: jax.Array | np.ndarray) -> bool:
+    return w.ndim == 3 and w.shape[2] == STRIP_COLUMNS and jnp.dtype(w.dtype) == jnp.float32
 
 
 def is_packed(w: jax.Array | np.ndarray) -> bool:
-    """Whether w is an [in, out] weight in the tiles' layout (`pack`'s output)."""
-    return w.ndim == 4 and w.shape[2:] == (TILE_COLUMNS, 2)
+    """Whether w is an [in, out] weight in the kernel's layout (`pack`'s output)."""
+    return (w.ndim == 4 and w.shape[2:] == (TILE_COLUMNS, 2)) or _is_strips(w)
 
 
 def pack(w: jax.Array) -> jax.Array:
-    """[K, N] -> the tiles' layout [N / 16, K / 2, 16, 2]: packed[t, q, j, h] = w[2q + h,
-    16t + j], each 16 output columns' pairs of weight rows contiguous."""
-    if w.ndim != 2 or w.shape[0] % 32 or w.shape[1] % 32:
-        raise ValueError(f"pack needs a [K, N] weight with K and N multiples of 32, got {w.shape}")
+    """[K, N] -> the kernel's layout. bfloat16: the tiles' [N / 16, K / 2, 16, 2],
+    packed[t, q, j, h] = w[2q + h, 16t + j], each 16 output columns' pairs of weight rows
+    contiguous (K and N multiples of 32). float32: strips [N / 32, K, 32], packed[t, k, j] =
+    w[k, 32t + j] (N a multiple of 32)."""
+    if w.ndim == 2 and jnp.dtype(w.dtype) == jnp.float32:
+        if w.shape[1] % STRIP_COLUMNS:
+            raise ValueError(f"pack needs a float32 [K, N] weight with N a multiple of 32, got "
+                             f"{w.shape}")
+        k, n = w.shape
+        return w.reshape(k, n // STRIP_COLUMNS, STRIP_COLUMNS).transpose(1, 0, 2)
+    if w.ndim != 2 or jnp.dtype(w.dtype) != jnp.bfloat16 or w.shape[0] % 32 or w.shape[1] % 32:
+        raise ValueError(f"pack needs a float32 [K, N] weight, or a bfloat16 one with K and N "
+                         f"multiples of 32, got {w.dtype} {w.shape}")
     k, n = w.shape
     return w.reshape(k // 2, 2, n // TILE_COLUMNS, TILE_COLUMNS).transpose(2, 0, 3, 1)
 
@@ -176,15 +199,20 @@ def unpack(packed: jax.Array) -> jax.Array:
     """`pack`'s inverse: the [K, N] weight."""
     if not is_packed(packed):
         raise ValueError(f"not a packed weight: {packed.shape}")
+    if _is_strips(packed):
+        strips, k, _ = packed.shape
+        return packed.transpose(1, 0, 2).reshape(k, strips * STRIP_COLUMNS)
     tiles, pairs = packed.shape[:2]
     return packed.transpose(1, 3, 0, 2).reshape(2 * pairs, tiles * TILE_COLUMNS)
 
 
 def takes(rows: int, w: jax.Array, layout: str) -> bool:
     """Whether the kernel should run this product: on CPU, a 2-D weight and a row count in
-    ROWS, or a packed weight at any row count; and the kernel available."""
+    ROWS, or a packed weight at any row count (XLA would unpack it first, a copy of the weight
+    every call); and the kernel available."""
     if is_packed(w):
-        return layout == "kn" and jax.default_backend() == "cpu" and _tiles_permitted()
+        return (layout == "kn" and jax.default_backend() == "cpu"
+                and (available() if _is_strips(w) else _tiles_permitted()))
     return (rows in ROWS.get((layout, jnp.dtype(w.dtype)), ()) and w.ndim == 2
             and jax.default_backend() == "cpu" and available())
 
@@ -206,6 +234,8 @@ def _check(x: jax.Array, w: jax.Array, layout: str) -> None:
 
 def _shape(w: jax.Array) -> tuple[int, int]:
     """The weight's [K, N] (or [N, K]) shape, packed or not."""
+    if _is_strips(w):
+        return w.shape[1], STRIP_COLUMNS * w.shape[0]
     if is_packed(w):
         return 2 * w.shape[1], TILE_COLUMNS * w.shape[0]
     return w.shape

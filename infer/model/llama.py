@@ -324,11 +324,12 @@ class Llama(nnx.Module):
 
 def tile_weights(model: Llama) -> Llama:
     """The model with each decoder layer's [in, out] projections that `kernels_cpu.dense.packs`
-    (bfloat16 on a CPU whose AMX tiles the kernel runs) stored in the tiles' layout
-    (`kernels_cpu.dense.pack`): its products then read them as stored at every row count, with
-    no packing per call (README, "Weights in the tiles' layout"). The model itself is returned
-    where nothing packs; else a copy whose other weights are the model's arrays. For one device:
-    under a mesh `dense` unpacks them every call."""
+    stored in the CPU kernel's layout (`kernels_cpu.dense.pack`): bfloat16 in the AMX tiles'
+    layout, which the tiles read as stored at every row count with no packing per call (README,
+    "Weights in the tiles' layout"); float32 as strips of 32 columns, which batched products
+    read contiguously (README, "Float32 weights as strips"). The model itself is returned where
+    nothing packs; else a copy whose other weights are the model's arrays. For one device: under
+    a mesh `dense` unpacks them every call."""
     if not any(dense_cpu.packs(weight.get_value()) for weight in _projections(model)):
         return model
     tiled = nnx.clone(model)  # new variables over the same arrays
@@ -339,7 +340,7 @@ def tile_weights(model: Llama) -> Llama:
 
 
 def is_tiled(model: Llama) -> bool:
-    """Whether any of the model's projections is in the CPU kernel's tile layout."""
+    """Whether any of the model's projections is in the CPU kernel's layout (`tile_weights`)."""
     return any(dense_cpu.is_packed(weight.get_value()) for weight in _projections(model))
 
 

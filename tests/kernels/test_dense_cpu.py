@@ -350,9 +350,10 @@ def test_pack_is_the_tile_layout_and_unpack_its_inverse() -> None:
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     for _ in range(5):
         k, n = 32 * int(rng.integers(1, 8)), 32 * int(rng.integers(1, 8))
-        w = rng.standard_normal((k, n)).astype(np.float32)
-        packed = np.asarray(dense_cpu.pack(jnp.asarray(w)))
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        packed = dense_cpu.pack(w)
         assert packed.shape == (n // 16, k // 2, 16, 2) and dense_cpu.is_packed(packed)
+        w, packed = np.asarray(w), np.asarray(packed)
         t, q, j, h = (rng.integers(0, s, 50) for s in packed.shape)
         np.testing.assert_array_equal(packed[t, q, j, h], w[2 * q + h, 16 * t + j])
         np.testing.assert_array_equal(np.asarray(dense_cpu.unpack(jnp.asarray(packed))), w)
@@ -361,13 +362,82 @@ def test_pack_is_the_tile_layout_and_unpack_its_inverse() -> None:
             dense_cpu.pack(jnp.zeros(shape, jnp.bfloat16))
 
 
-def test_packs_only_bfloat16_weights_of_whole_tiles_where_the_tiles_run() -> None:
+def test_packs_bfloat16_weights_of_whole_tiles_where_the_tiles_run_and_float32_strips() -> None:
     tiles = dense_cpu.TILES_FROM["kn"] > 0 and dense_cpu.TILED_WEIGHTS
     assert dense_cpu.packs(jnp.zeros((64, 96), jnp.bfloat16)) == (
         tiles and bool(dense_cpu.KERNEL.library().InferDenseTilesPermitted()))
-    for w in [jnp.zeros((64, 96), jnp.float32), jnp.zeros((48, 96), jnp.bfloat16),
-              jnp.zeros((64, 80), jnp.bfloat16), jnp.zeros((2, 64, 96), jnp.bfloat16)]:
+    assert dense_cpu.packs(jnp.zeros((50, 96), jnp.float32)) == dense_cpu.TILED_WEIGHTS
+    for w in [jnp.zeros((48, 96), jnp.bfloat16), jnp.zeros((64, 80), jnp.bfloat16),
+              jnp.zeros((2, 64, 96), jnp.bfloat16), jnp.zeros((64, 80), jnp.float32),
+              jnp.zeros((2, 64, 96), jnp.float32), jnp.zeros((64, 96), jnp.float16)]:
         assert not dense_cpu.packs(w)
+
+
+def test_float32_pack_is_strips_and_unpack_its_inverse() -> None:
+    """packed[t, k, j] = w[k, 32t + j], element by element on random shapes (any K); unpack
+    gives the weight back; N off the 32-multiples is refused."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    for _ in range(5):
+        k, n = int(rng.integers(1, 300)), 32 * int(rng.integers(1, 8))
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        packed = np.asarray(dense_cpu.pack(jnp.asarray(w)))
+        assert packed.shape == (n // 32, k, 32) and dense_cpu.is_packed(packed)
+        t, kk, j = (rng.integers(0, s, 50) for s in packed.shape)
+        np.testing.assert_array_equal(packed[t, kk, j], w[kk, 32 * t + j])
+        np.testing.assert_array_equal(np.asarray(dense_cpu.unpack(jnp.asarray(packed))), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dense_cpu.pack(jnp.zeros((64, 48), jnp.float32))
+
+
+def test_float32_strips_give_the_weights_bits_at_every_row_count() -> None:
+    """A float32 weight stored as strips multiplies to the [K, N] weight's bits at 0-200 rows
+    (the few-row passes, the 12-row register tiles and their tails) and any K, each row's bits
+    the same alone and among others, a NaN kept to its row, within the exact product's bound;
+    threads split the strips."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for trial in range(4):
+        k, n = int(rng.integers(1, 700)), 32 * int(rng.integers(1, 40))
+        if trial == 0:  # past the threading threshold, and more than one block of weight rows
+            k, n = 576, 1536
+        x_all, w = _operands(rng, 201, k, n, "kn", jnp.float32)
+        packed = dense_cpu.pack(w)
+        for m in [0, 1, 2, 8, 9, 11, 12, 13, 24, 31, 32, 33, int(rng.integers(34, 202))]:
+            x = x_all[:m] if m < 3 else x_all[:m].at[1, 0].set(jnp.nan)
+            got = np.asarray(multiply(x, packed, "kn"))
+            assert got.shape == (m, n)
+            if m == 0:
+                continue
+            np.testing.assert_array_equal(got, np.asarray(multiply(x, w, "kn")),
+                                          err_msg=f"seed {seed}, m={m} k={k} n={n}")
+            row = int(rng.integers(0, m))
+            np.testing.assert_array_equal(np.asarray(multiply(x[row:row + 1], packed, "kn"))[0],
+                                          got[row], err_msg=f"seed {seed}, m={m} row {row}")
+            if m >= 3:
+                assert np.isnan(got[1]).all() and not np.isnan(np.delete(got, 1, axis=0)).any()
+                x, got = x.at[1].set(0), np.delete(got, 1, axis=0)
+                _assert_close(jnp.asarray(got), jnp.delete(x, 1, axis=0), w, "kn")
+            else:
+                _assert_close(jnp.asarray(got), x, w, "kn")
+
+
+def test_dense_takes_float32_strips_to_the_kernel_at_any_row_count() -> None:
+    """`dense` sends float32 strips to the kernel at any row count (past ROWS too): the
+    kernel's product of the [K, N] weight, bit for bit; under a mesh XLA's, unpacked."""
+    from infer.model.llama import dense
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    w = jnp.asarray(rng.standard_normal((72, 96), np.float32))
+    packed = dense_cpu.pack(w)
+    fn = jax.jit(lambda x, w: dense(x, w, "bte,ef->btf"))
+    for m in (1, 8, 32, max(dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]) + 1):
+        x = jnp.asarray(rng.standard_normal((1, m, 72), np.float32))
+        assert dense_cpu.TARGET in fn.lower(x, packed).as_text(), m
+        np.testing.assert_array_equal(np.asarray(fn(x, packed))[0],
+                                      np.asarray(multiply(x[0], w, "kn")), err_msg=m)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        assert dense_cpu.TARGET not in fn.lower(x, packed).as_text()
+        np.testing.assert_array_equal(np.asarray(fn(x, packed)), np.asarray(fn(x, w)))
 
 
 needs_packing = pytest.mark.skipif(

@@ -109,8 +109,10 @@ def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(m
     """`tile_weights` packs every layer's projections into the CPU kernel's tile layout, in a copy:
     the model keeps its weights, the copy shares the others (embedding, norms). The copy's
     logits are the model's bit for bit where the model's own products take the tiles too
-    (tiles_from 1), so nothing is lost or reordered in the packing; a float32 model is
-    returned as it is; placing a tiled model on a mesh is refused."""
+    (tiles_from 1), so nothing is lost or reordered in the packing; a float32 model's copy
+    (its projections as strips) gives the model's logits bit for bit where its products take
+    the kernel (ROWS); with INFER_TILED_WEIGHTS=0 a model is returned as it is; placing a tiled
+    model on a mesh is refused."""
     from flax import nnx
 
     from infer.cache.contiguous import KVCache
@@ -143,7 +145,13 @@ def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(m
     tokens = np.random.default_rng().integers(0, config.vocab_size, (2, 24))
     np.testing.assert_array_equal(forward(tiled, tokens), forward(model, tokens))
     model32 = Llama(config, jnp.float32, nnx.Rngs(0))
-    assert tile_weights(model32) is model32
+    strips = tile_weights(model32)
+    assert all(dense_cpu.is_packed(w.get_value()) and w.get_value().ndim == 3
+               for layer in strips.layers for w in layer.mlp.projections())
+    assert 48 in dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]  # 2 x 24 rows: the kernel's
+    np.testing.assert_array_equal(forward(strips, tokens), forward(model32, tokens))
+    monkeypatch.setattr(dense_cpu, "TILED_WEIGHTS", False)
+    assert tile_weights(model32) is model32 and tile_weights(model) is model
     # The mesh's rules name an [in, out] weight's dims: a tiled model is for one device.
     from infer.parallel.placement import place_model
     assert is_tiled(tiled) and not is_tiled(model)
