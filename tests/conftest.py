@@ -63,6 +63,10 @@ def hf_smollm2(smollm2_path: str):
     """HF transformers' LlamaForCausalLM from the same GGUF, float32, eval mode."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    # One thread: beside another test worker, torch's OpenMP threads fought that worker's XLA
+    # threads for the 2 cores (the HF greedy test: 30 s against 20 s with one thread, a kivi
+    # test running beside it; 98 s in a CI run).
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
