@@ -404,21 +404,7 @@ def test_float32_strips_give_the_weights_bits_at_every_row_count() -> None:
         packed = dense_cpu.pack(w)
         for m in [0, 1, 2, 8, 9, 11, 12, 13, 24, 31, 32, 33, int(rng.integers(34, 202))]:
             x = x_all[:m] if m < 3 else x_all[:m].at[1, 0].set(jnp.nan)
-            got = np.asarray(multiply(x, packed, "kn"))
-            assert got.shape == (m, n)
-            if m == 0:
-                continue
-            np.testing.assert_array_equal(got, np.asarray(multiply(x, w, "kn")),
-                                          err_msg=f"seed {seed}, m={m} k={k} n={n}")
-            row = int(rng.integers(0, m))
-            np.testing.assert_array_equal(np.asarray(multiply(x[row:row + 1], packed, "kn"))[0],
-                                          got[row], err_msg=f"seed {seed}, m={m} row {row}")
-            if m >= 3:
-                assert np.isnan(got[1]).all() and not np.isnan(np.delete(got, 1, axis=0)).any()
-                x, got = x.at[1].set(0), np.delete(got, 1, axis=0)
-                _assert_close(jnp.asarray(got), jnp.delete(x, 1, axis=0), w, "kn")
-            else:
-                _assert_close(jnp.asarray(got), x, w, "kn")
+            _check_packed_product(rng, x, packed, w, multiply, f"seed {seed}, m={m} k={k} n={n}")
 
 
 def test_dense_takes_float32_strips_to_the_kernel_at_any_row_count() -> None:
@@ -438,6 +424,28 @@ def test_dense_takes_float32_strips_to_the_kernel_at_any_row_count() -> None:
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         assert dense_cpu.TARGET not in fn.lower(x, packed).as_text()
         np.testing.assert_array_equal(np.asarray(fn(x, packed)), np.asarray(fn(x, w)))
+
+
+def _check_packed_product(rng: np.random.Generator, x: jax.Array, packed: jax.Array,
+                          w: jax.Array, peer, label: str) -> None:
+    """x times `packed` (`w` in the kernel's layout), x's row 1 NaN from 3 rows: `peer(x, w,
+    "kn")`'s bits, a random row's bits the same alone, the NaN kept to its row, the rest within
+    the exact bound."""
+    m, n = x.shape[0], dense_cpu.unpack(packed).shape[1]
+    got = np.asarray(multiply(x, packed, "kn"))
+    assert got.shape == (m, n), label
+    if m == 0:
+        return
+    np.testing.assert_array_equal(got, np.asarray(peer(x, w, "kn")), err_msg=label)
+    row = int(rng.integers(0, m))
+    np.testing.assert_array_equal(np.asarray(multiply(x[row:row + 1], packed, "kn"))[0],
+                                  got[row], err_msg=f"{label} row {row}")
+    if m >= 3:
+        assert np.isnan(got[1]).all() and not np.isnan(np.delete(got, 1, axis=0)).any(), label
+        x, got = x.at[1].set(0), np.delete(got, 1, axis=0)
+        _assert_close(jnp.asarray(got), jnp.delete(x, 1, axis=0), w, "kn")
+    else:
+        _assert_close(jnp.asarray(got), x, w, "kn")
 
 
 needs_packing = pytest.mark.skipif(
@@ -464,21 +472,7 @@ def test_a_packed_weight_gives_the_tiles_bits_at_every_row_count() -> None:
             if packed_w is None:
                 w_, packed_w = w, dense_cpu.pack(w)
             x = x if m < 3 else x.at[1, 3].set(jnp.nan)
-            got = np.asarray(multiply(x, packed_w, "kn"))
-            assert got.shape == (m, n)
-            if m == 0:
-                continue
-            np.testing.assert_array_equal(got, np.asarray(tiled(x, w_, "kn")),
-                                          err_msg=f"seed {seed}, m={m} k={k} n={n}")
-            row = int(rng.integers(0, m))
-            np.testing.assert_array_equal(np.asarray(multiply(x[row:row + 1], packed_w, "kn"))[0],
-                                          got[row], err_msg=f"seed {seed}, m={m} row {row}")
-            if m >= 3:
-                assert np.isnan(got[1]).all() and not np.isnan(np.delete(got, 1, axis=0)).any()
-                x, got = x.at[1].set(0), np.delete(got, 1, axis=0)
-                _assert_close(jnp.asarray(got), jnp.delete(x, 1, axis=0), w_, "kn")
-            else:
-                _assert_close(jnp.asarray(got), x, w_, "kn")
+            _check_packed_product(rng, x, packed_w, w_, tiled, f"seed {seed}, m={m} k={k} n={n}")
 
 
 @needs_packing
