@@ -969,7 +969,8 @@ constexpr int64_t kParallelBytes = 512 * 1024;
 
 // How a product's work is split into units: kNkUnit weight rows of an [N, K] weight; a block of
 // kKnBlockRows weight rows of a [K, N] one (few rows, the partial sums added afterwards); or, with
-// kTiledRows rows or more, a 32-column strip of its output.
+// kTiledRows rows or more, and at any row count for float32 strips, a 32-column strip of its
+// output.
 enum class Split { kNkRows, kKnBlocks, kKnStrips, kKnStripsPacked, kKnTiles, kNkTiles, kKnPacked };
 
 template <typename T>
