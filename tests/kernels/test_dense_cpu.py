@@ -224,6 +224,24 @@ def test_bad_operands_are_refused() -> None:
         dense_cpu.multiply_group(x, (jnp.ones((8, 4)), jnp.ones((7, 4))), "kn")
 
 
+def test_the_custom_call_refuses_strips_it_cannot_read() -> None:
+    """What Python's checks keep from the kernel, the kernel refuses itself: strips of another
+    dtype than float32, strips beside an [in, out] weight in one group, strips of another width,
+    strips of the "nk" layout."""
+    x = jnp.ones((3, 8), jnp.float32)
+    strips = dense_cpu.pack(jnp.ones((8, 64), jnp.float32))
+    out = lambda *ns: tuple(jax.ShapeDtypeStruct((3, n), jnp.float32) for n in ns)
+    call = lambda x, ws, ns, nk=False: jax.ffi.ffi_call(dense_cpu.TARGET, out(*ns))(
+        x, *ws, nk=nk, tiles_from=np.int64(0))
+    for args, match in [
+            ((x.astype(jnp.bfloat16), (strips.astype(jnp.bfloat16),), (64,)), "float32"),
+            ((x, (strips, jnp.ones((8, 64), jnp.float32)), (64, 64)), "all weights packed"),
+            ((x, (jnp.ones((4, 8, 16), jnp.float32),), (64,)), "all weights packed"),
+            ((x, (strips,), (64,), True), "float32 \"kn\" weights")]:
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(call(*args))
+
+
 def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
     """`infer.model.llama.dense` hands a product to the kernel iff its (layout, dtype, rows) is
     in ROWS, under every leading shape a step gives; either way the value is the product's."""
