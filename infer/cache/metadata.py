@@ -134,9 +134,9 @@ def paged_metadata(pages: Sequence[SequencePages], rows: int, width: int, cached
                    write_ends: np.ndarray | None = None,
                    names: Sequence[str] | None = None,
                    with_windows: bool | None = None) -> AttentionMetadata:
-    """Metadata, as host arrays, for `rows` rows of `tokens` (padded) new tokens after `cached` [rows],
-    `q_lens` [rows] of them valid, sequence i (`pages[i]`, called `names[i]` in errors, e.g.
-    "request 'id'") in row `row_of[i]` (default i), page tables `width` pages wide.
+    """Metadata, as host arrays, for `rows` rows of `tokens` (padded) new tokens after `cached`
+    [rows], `q_lens` [rows] of them valid, sequence i (`pages[i]`, called `names[i]` in errors,
+    e.g. "request 'id'") in row `row_of[i]` (default i), page tables `width` pages wide.
 
     First checks on the host that each row writes only slots of pages it holds and its table
     shows: [cached, cached + q_lens), or [cached, write_ends) for a proposer's chain, which

@@ -37,7 +37,8 @@ def place_model(model: Llama, mesh: Mesh | None, rules: ShardingRules = DEFAULT_
     """The model with every weight on the mesh (sharded by its logical axes), or on the default
     device without a mesh. Weights may be numpy arrays or jax arrays anywhere."""
     if mesh is not None and is_tiled(model):
-        # The logical axes name an [in, out] weight's two dims, not the packed layout's four.
+        # The logical axes name an [in, out] weight's two dims, not a packed layout's three or
+        # four.
         raise ValueError("this model's projections are in the CPU kernel's tile layout "
                          "(`tile_weights`, for one device): place the model as loaded")
     graphdef, state = nnx.split(model)

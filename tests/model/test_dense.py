@@ -104,19 +104,26 @@ def test_same_shape_products_in_one_program_never_materialize_the_broadcast() ->
                                    atol=2e-3)
 
 
+def _tiny_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """The `tiny` model's logits over a prefill of `tokens` [B, T] on a contiguous cache."""
+    from infer.cache.contiguous import KVCache
+    from infer.cache.metadata import AttentionMetadata
+
+    config, (b, t) = model.config, tokens.shape
+    cache = KVCache.create(config.num_layers, b, t, config.num_kv_heads, config.head_dim)
+    return np.asarray(model(jnp.asarray(tokens), cache,
+                            AttentionMetadata.for_prefill(jnp.full((b,), t), t))[0])
+
+
 def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(monkeypatch
                                                                               ) -> None:
     """`tile_weights` packs every layer's projections into the CPU kernel's tile layout, in a copy:
     the model keeps its weights, the copy shares the others (embedding, norms). The copy's
     logits are the model's bit for bit where the model's own products take the tiles too
-    (tiles_from 1), so nothing is lost or reordered in the packing; a float32 model's copy
-    (its projections as strips) gives the model's logits bit for bit where its products take
-    the kernel (ROWS); with INFER_TILED_WEIGHTS=0 a model is returned as it is; placing a tiled
-    model on a mesh is refused."""
+    (tiles_from 1), so nothing is lost or reordered in the packing; with INFER_TILED_WEIGHTS=0
+    a model is returned as it is; placing a tiled model on a mesh is refused."""
     from flax import nnx
 
-    from infer.cache.contiguous import KVCache
-    from infer.cache.metadata import AttentionMetadata
     from infer.model.config import get_config
     from infer.model.llama import Llama, is_tiled, tile_weights
     from kernels_cpu import dense as dense_cpu
@@ -135,25 +142,41 @@ def test_tiled_weights_give_the_logits_of_the_tiles_over_the_weights_as_stored(m
         assert tiled_layer.input_norm.weight.get_value() is layer.input_norm.weight.get_value()
     assert tiled.embed.get_value() is model.embed.get_value()
 
-    def forward(m: Llama, tokens: np.ndarray) -> np.ndarray:
-        b, t = tokens.shape
-        cache = KVCache.create(config.num_layers, b, t, config.num_kv_heads, config.head_dim)
-        return np.asarray(m(jnp.asarray(tokens), cache,
-                            AttentionMetadata.for_prefill(jnp.full((b,), t), t))[0])
-
     monkeypatch.setitem(dense_cpu.TILES_FROM, "kn", 1)
     tokens = np.random.default_rng().integers(0, config.vocab_size, (2, 24))
-    np.testing.assert_array_equal(forward(tiled, tokens), forward(model, tokens))
-    model32 = Llama(config, jnp.float32, nnx.Rngs(0))
-    strips = tile_weights(model32)
-    assert all(dense_cpu.is_packed(w.get_value()) and w.get_value().ndim == 3
-               for layer in strips.layers for w in layer.mlp.projections())
-    assert 48 in dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]  # 2 x 24 rows: the kernel's
-    np.testing.assert_array_equal(forward(strips, tokens), forward(model32, tokens))
+    np.testing.assert_array_equal(_tiny_logits(tiled, tokens), _tiny_logits(model, tokens))
     monkeypatch.setattr(dense_cpu, "TILED_WEIGHTS", False)
-    assert tile_weights(model32) is model32 and tile_weights(model) is model
+    assert tile_weights(model) is model
     # The mesh's rules name an [in, out] weight's dims: a tiled model is for one device.
     from infer.parallel.placement import place_model
     assert is_tiled(tiled) and not is_tiled(model)
     with pytest.raises(ValueError, match="tile layout"):
         place_model(tiled, jax.make_mesh((1, 1), ("data", "model")))
+
+
+def test_float32_strips_give_the_models_logits(monkeypatch) -> None:
+    """A float32 model's copy, its projections as strips, gives the model's logits bit for bit
+    where its products take the kernel (ROWS); with INFER_TILED_WEIGHTS=0 the model is returned
+    as it is; placing it on a mesh is refused. Wherever the kernel runs, AMX or not."""
+    from flax import nnx
+
+    from infer.model.config import get_config
+    from infer.model.llama import Llama, is_tiled, tile_weights
+    from kernels_cpu import dense as dense_cpu
+
+    if not dense_cpu.packs(jnp.zeros((32, 32), jnp.float32)):
+        pytest.skip("float32 weights are stored as strips only where the CPU kernel runs")
+    config = get_config("tiny")
+    model32 = Llama(config, jnp.float32, nnx.Rngs(0))
+    strips = tile_weights(model32)
+    assert all(dense_cpu.is_packed(w.get_value()) and w.get_value().ndim == 3
+               for layer in strips.layers for w in layer.mlp.projections())
+    tokens = np.random.default_rng().integers(0, config.vocab_size, (2, 24))
+    assert 48 in dense_cpu.ROWS[("kn", jnp.dtype(jnp.float32))]  # 2 x 24 rows: the kernel's
+    np.testing.assert_array_equal(_tiny_logits(strips, tokens), _tiny_logits(model32, tokens))
+    from infer.parallel.placement import place_model
+    assert is_tiled(strips)
+    with pytest.raises(ValueError, match="tile layout"):
+        place_model(strips, jax.make_mesh((1, 1), ("data", "model")))
+    monkeypatch.setattr(dense_cpu, "TILED_WEIGHTS", False)
+    assert tile_weights(model32) is model32
