@@ -14,7 +14,9 @@ A step's time is the median over the timed decode steps of every repeat: the int
 consecutive tokens for the plain loop, `StepRecord.end_s - start_s` for the engine (full-batch
 decode steps only: the engine prefills one request per step, so its requests run longer, within
 the same attention window as the plain loop's). Every program is compiled by an untimed first
-run. The engine is also timed with async scheduling off (the same runner), for what overlapping
+run. The engine's requests ask for their final outputs only, as `LLM.generate`'s do
+(`--output_kind=cumulative`: a streamed output per token, as a server's streamed requests). The
+engine is also timed with async scheduling off (the same runner), for what overlapping
 the host's work with the device's gains. The breakdown is the means of `StepRecord`'s phases
 over the timed steps, which add up to the mean step (`engine_step_mean_ms`); with async
 scheduling (the engine's default) a step's inputs are those of the step planned ahead, and its
@@ -42,6 +44,10 @@ flags.DEFINE_integer("tokens", 32, "tokens generated per request in a timed run"
 flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 5, "timed runs per point", flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers timed in the same run: hf, or none", flag_values=FLAGS)
+flags.DEFINE_enum("output_kind", "final", ["final", "cumulative"],
+                  "the requests' SamplingParams.output_kind: final (LLM.generate's, outputs of "
+                  "finished requests only) or cumulative (a streamed output per token)",
+                  flag_values=FLAGS)
 flags.DEFINE_bool("plain", True, "time the plain loops (contiguous and paged) beside the engine",
                   flag_values=FLAGS)
 flags.DEFINE_string("out", "results/engine_overhead.jsonl", "JSONL output", flag_values=FLAGS)
@@ -53,6 +59,7 @@ PHASES = ("schedule", "inputs", "device", "output")
 
 def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: int,
         repeats: int, peers: list[str], out: str, resume: bool = False, plain: bool = True,
+        output_kind: str = "final",
         tensor_parallel_size: int = 1, data_parallel_size: int = 1,
         pad_heads: bool = False) -> list[dict]:
     """One row per (dtype, batch), appended to `out` as it is measured; the table from the
@@ -91,7 +98,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
     peers = usable_peers(peers, "engine_overhead")  # before any work
     log = ResultLog(out, resume=resume)
     ceilings = functools.cache(measure_ceilings)
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, output_kind=output_kind)
 
     def plain_steps(steps: DeviceSteps, prompts: list[list[int]], cache_dtype,
                     paged: PagedLayout | None = None) -> list[float]:
@@ -193,7 +200,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         for b in tqdm(batch_sizes, desc=f"{dtype} batch sizes"):
             log.measure({"experiment": "engine_overhead", "model": config.name, "dtype": dtype,
                          "batch": b, "prompt_len": prompt_len, "tokens": tokens,
-                         "repeats": repeats, **point},
+                         "repeats": repeats, "output_kind": output_kind, **point},
                         lambda b=b: measure(dtype, b, model, config, tokenizer, mesh, steps))
     rows = log.rows()
     if "copy_bandwidth_Bps" in rows[0]:

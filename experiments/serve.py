@@ -117,7 +117,9 @@ def serve_infer(engine, work: list[WorkItem], desc: str):
             item = pending.popleft()
             ids.append(engine.add_request(
                 prompt_token_ids=list(item.prompt_ids), arrival_s=start + item.arrival_s,
-                params=SamplingParams(max_tokens=item.output_len, ignore_eos=True)))
+                # Only finished outputs are read (their metrics hold every token's time).
+                params=SamplingParams(max_tokens=item.output_len, ignore_eos=True,
+                                      output_kind="final")))
         engine.scheduler.draining = not pending
         idle = True
         if engine.has_unfinished():

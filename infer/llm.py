@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -113,6 +114,8 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * n
         if len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        # Only finished outputs are returned: none is built (or its text decoded) per token.
+        sampling_params = [dataclasses.replace(sp, output_kind="final") for sp in sampling_params]
         inputs = ([dict(prompt=p) for p in prompts] if prompts is not None
                   else [dict(prompt_token_ids=ids) for ids in prompt_token_ids])
         # All or nothing: every request is made (tokenized and validated, once) before any is

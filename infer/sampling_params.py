@@ -12,6 +12,8 @@ import secrets
 
 import numpy as np
 
+OUTPUT_KINDS = ("cumulative", "final")
+
 
 def is_integer(x: object) -> bool:
     """An int or numpy integer, but not a bool (True is an int in Python: max_tokens=True is a
@@ -103,6 +105,11 @@ class SamplingParams:
     # alternatives: 0 for the chosen token's alone, None for none.
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # What a step hands back for this request, as vLLM's RequestOutputKind: "cumulative", its
+    # output so far at every step that gives it a token; "final", only its finished output
+    # (LLM.generate's: nothing is built per token that no one reads, and without stop strings
+    # the text is decoded once, at the end).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +142,8 @@ class SamplingParams:
         if not (self.structured is None or isinstance(self.structured, StructuredOutput)):
             problems.append(f"structured must be a StructuredOutput or None, got "
                             f"{self.structured!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            problems.append(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
         # Plain Python values, so params hash, compare and serialize alike however they were
@@ -147,6 +156,11 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+
+    @property
+    def streams(self) -> bool:
+        """Every step that gives it a token hands back its output (not only the last)."""
+        return self.output_kind == "cumulative"
 
     @property
     def greedy(self) -> bool:

@@ -67,6 +67,7 @@ def test_bools_are_refused_by_every_numeric_field(field: str, flag) -> None:
     (dict(temperature=np.float32("nan")), "temperature must be a finite number"),
     (dict(temperature=10**400), "temperature must be a finite number"),
     (dict(top_p=np.float64(1.5)), "top_p must be in"),
+    (dict(output_kind="delta"), "output_kind must be one of"),
 ])
 def test_other_bad_values_name_their_field(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

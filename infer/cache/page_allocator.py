@@ -149,6 +149,8 @@ class PageAllocator:
         """Take `n` pages (refcount 1 each), all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n == 0:  # every row of every decode step asks; most need nothing
+            return []
         if n > len(self._free) and self._reclaimer is not None:
             # Its return value is informational: the free list is the truth.
             self._reclaimer(n - len(self._free))

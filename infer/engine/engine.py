@@ -7,7 +7,7 @@
 (with async scheduling the next decode step is dispatched before `sampled` is read back).
 
 Requests may be added, stepped and aborted at any time; a per-request callback streams each
-request's outputs as its tokens arrive.
+request's outputs as its tokens arrive (only its final one under `output_kind="final"`).
 """
 
 from __future__ import annotations
@@ -231,8 +231,8 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One step's tokens: its outputs, for the requests that got a token (finished ones
-        included).
+        """One step's tokens: the outputs of the requests that got a token, each streamed one
+        (`SamplingParams.output_kind` "cumulative") and each that finished (any kind).
 
         With `async_scheduling`, while a decode step runs on the device the next one is planned
         (`Scheduler.plan_ahead`) and dispatched before this step's tokens are read back, so the
@@ -251,7 +251,8 @@ class Engine:
         sampled = pending.result()
         executed = time.perf_counter()
         advanced = self.scheduler.postprocess(plan, sampled, logprobs=pending.logprobs())
-        outputs = [seq.request.output() for seq in advanced]
+        outputs = [seq.request.output() for seq in advanced
+                   if seq.request.params.streams or seq.request.finished]
         for out in outputs:
             self._notify(out)
         end = time.perf_counter()

@@ -172,8 +172,13 @@ class Request:
         self.num_preemptions = 0
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True) if tokenizer else None
+        # Text as tokens come, where someone reads it before the end: a streamed output, or
+        # stop strings to find. A final-only request decodes its tokens once, when asked.
+        incremental = tokenizer is not None and (params.streams or bool(params.stop))
+        self._detok = (IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+                       if incremental else None)
         self._text = ""
+        self._text_tokens = 0  # output tokens _text holds, where decoded when asked
 
     @property
     def finished(self) -> bool:
@@ -212,22 +217,31 @@ class Request:
         searched = len(self._text)
         if self._detok is not None:
             self._text += self._detok.step(self.output_ids)
+        cut = False
         if int(token) in self._stop_ids or (self.constraint is not None and self.constraint.done):
             self.finish_reason = FinishReason.STOP
         elif self.params.stop and self._cut_at_stop_string(searched):
-            self.finish_reason = FinishReason.STOP
+            self.finish_reason, cut = FinishReason.STOP, True
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH
-        if self.finished and self._detok is not None and self.finish_reason != FinishReason.STOP:
-            searched = len(self._text)
-            self._text += self._detok.step(self.output_ids, final=True)
-            if self.params.stop and self._cut_at_stop_string(searched):
-                self.finish_reason = FinishReason.STOP
+        if self.finished and not cut and self._flush_text():
+            self.finish_reason = FinishReason.STOP
         return self.finished
 
     def abort(self) -> None:
         if not self.finished:
             self.finish_reason = FinishReason.ABORT
+            self._flush_text()
+
+    def _flush_text(self) -> bool:
+        """At the end, unless a stop string cut it, the text is all the tokens'
+        (decode(output_ids)): what the detokenizer held back, a character the last tokens
+        leave incomplete, is added, and cut at a stop string it completes (True then)."""
+        if self._detok is None:
+            return False
+        searched = len(self._text)
+        self._text += self._detok.step(self.output_ids, final=True)
+        return bool(self.params.stop) and self._cut_at_stop_string(searched)
 
     def _cut_at_stop_string(self, searched: int) -> bool:
         """Cuts the text before the first stop string; `searched`: text length already known
@@ -240,9 +254,17 @@ class Request:
         self._text = self._text[:min(hits)]
         return True
 
+    def _decoded(self) -> str:
+        """The text of the output so far."""
+        if self._detok is None and self._tokenizer is not None:
+            if self._text_tokens != len(self.output_ids):
+                self._text = self._tokenizer.decode(self.output_ids, skip_special_tokens=True)
+                self._text_tokens = len(self.output_ids)
+        return self._text
+
     def _visible_text(self) -> str:
         """The text without its longest tail that is a proper prefix of a stop string."""
-        text = self._text
+        text = self._decoded()
         if self.finished or not self.params.stop:
             return text
         for n in range(min(max(map(len, self.params.stop)) - 1, len(text)), 0, -1):

@@ -230,8 +230,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         n = self.vocab_size
-        bad = next((i for i in ids if not 0 <= i < n), None)
-        if bad is not None:
+        if ids and not (0 <= min(ids) and max(ids) < n):  # two C loops: this runs per token
+            bad = next(i for i in ids if not 0 <= i < n)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {n})")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

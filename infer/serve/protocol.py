@@ -362,10 +362,12 @@ MakeRequest = Callable[..., Request]  # Engine.make_request's signature
 
 def _requests(make_request: MakeRequest, response_id: str, prompts: Sequence[dict],
               params: SamplingParams, n: int, arrival_s: float, param: str,
-              structured_param: str | None = None) -> list[Request]:
+              structured_param: str | None, stream: bool) -> list[Request]:
     """n requests per prompt, choice i of a seeded request drawing with seed + i (vLLM's
     rule), each id unique: `{response_id}-{prompt}.{choice}`. A constraint llguidance refuses
-    (a bad regex, schema or grammar) is the fault of `structured_param`, not of the prompt."""
+    (a bad regex, schema or grammar) is the fault of `structured_param`, not of the prompt.
+    A response sent whole needs only its requests' final outputs."""
+    params = dataclasses.replace(params, output_kind="cumulative" if stream else "final")
     out = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
@@ -428,7 +430,7 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
         _context_check(len(ids), max_tokens, served, "prompt")
     response_id = _response_id(body, "cmpl")
     requests = _requests(make_request, response_id, [dict(prompt_token_ids=p) for p in prompts],
-                         params, n, arrival_s, "prompt", structured_param)
+                         params, n, arrival_s, "prompt", structured_param, stream)
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None)
@@ -482,7 +484,7 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     _context_check(len(prompt_ids), max_tokens, served, "messages")
     response_id = _response_id(body, "chatcmpl")
     requests = _requests(make_request, response_id, [dict(prompt_token_ids=prompt_ids)],
-                         params, n, arrival_s, "messages", structured_param)
+                         params, n, arrival_s, "messages", structured_param, stream)
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None)

@@ -6,6 +6,7 @@ is not.)"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 
@@ -20,7 +21,7 @@ from infer.engine.request import FinishReason, Request, RequestLimits
 from infer.llm import LLM
 from infer.model.config import get_config
 from infer.model.llama import Llama
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import OUTPUT_KINDS, SamplingParams
 from infer.spec.config import SpeculativeConfig
 from infer.spec.ngram import NgramProposer
 from infer.spec.stats import SpeculationStats
@@ -237,3 +238,65 @@ def test_streamed_text_never_shows_part_of_a_stop_string(smollm2) -> None:
             assert r.finish_reason == FinishReason.STOP and r.output().text == expected
             checked += 1
     assert checked >= 40
+
+
+# -- final-only outputs ----------------------------------------------------------------------
+
+def test_a_final_only_request_ends_as_a_streamed_one(smollm2) -> None:
+    """Random token streams (special tokens, UTF-8 characters cut between tokens, stop ids, stop
+    strings, max_tokens, aborts): a request that decodes its text once, at the end, finishes
+    where a streamed one does, with the same output."""
+    tokenizer = smollm2[2]
+    n = tokenizer.vocab_size
+    specials = [i for i in range(n) if tokenizer.is_special(i)]
+    # Tokens that end inside a UTF-8 character, which the streamed text holds back.
+    partial = [i for i in range(n) if tokenizer.decode([i]).endswith("\ufffd")]
+    rng = random.Random(3)
+    for trial in range(300):
+        length = rng.randint(1, 40)
+        ids = [rng.choice(rng.choice([specials, partial, range(n)])) for _ in range(length)]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stop_ids = (rng.choice(ids),) if rng.random() < 0.3 else ()
+        at = rng.randrange(len(text)) if text else 0
+        stop = (text[at:at + rng.randint(1, 4)],) if text and rng.random() < 0.3 else None
+        params = SamplingParams(max_tokens=rng.randint(1, length), stop_token_ids=stop_ids,
+                                stop=stop, ignore_eos=rng.random() < 0.5, seed=0)
+        abort_after = rng.randrange(length) if rng.random() < 0.2 else length
+        outputs = []
+        for kind in OUTPUT_KINDS:
+            r = Request(str(trial), [1], dataclasses.replace(params, output_kind=kind),
+                        tokenizer, tokenizer.eos_ids)
+            for token in ids[:abort_after]:
+                if r.append(token):
+                    break
+            r.abort()
+            assert r.finished
+            outputs.append(r.output())
+        streamed, final = outputs
+        assert (final.text, final.token_ids, final.finish_reason) == (
+            streamed.text, streamed.token_ids, streamed.finish_reason), (trial, params)
+
+
+def test_final_only_requests_come_back_once_with_the_streamed_tokens(tiny_model) -> None:
+    """A step hands back a streamed request's output at each of its tokens and a final-only
+    request's once, when it finishes; the tokens are those of the same requests all streamed."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, TINY.vocab_size) for _ in range(rng.randint(1, 12))]
+               for _ in range(10)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 20),
+                             seed=i, ignore_eos=True) for i in range(len(prompts))]
+    kinds = ["final", "cumulative"] + [rng.choice(OUTPUT_KINDS) for _ in prompts[2:]]
+    engine = tiny_engine(tiny_model)
+    ids = [engine.add_request(prompt_token_ids=p, params=dataclasses.replace(sp, output_kind=k))
+           for p, sp, k in zip(prompts, params, kinds)]
+    handed_back, finals = collections.Counter(), {}
+    for out in engine.stream():
+        handed_back[out.request_id] += 1
+        if out.finished:
+            finals[out.request_id] = out
+    for i, kind in zip(ids, kinds):
+        expected = len(finals[i].token_ids) if kind == "cumulative" else 1
+        assert handed_back[i] == expected, (kind, handed_back[i], len(finals[i].token_ids))
+    streamed = run(tiny_engine(tiny_model), prompts[:1], params[0]) + [
+        run(tiny_engine(tiny_model), [p], sp)[0] for p, sp in zip(prompts[1:], params[1:])]
+    assert [finals[i].token_ids for i in ids] == [o.token_ids for o in streamed]
