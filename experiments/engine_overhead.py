@@ -5,16 +5,19 @@ bookkeeping), same weights, dtype, lengths and batch, in one run; with the engin
 into host scheduling, input building, device time and output handling, the bytes a step must
 move against the bandwidth floor (those bytes at the copy bandwidth, reads and writes together,
 as issue 13 sets it; and at the read bandwidth, which memory serves a read-only stream at and is
-what a step can reach), and HF transformers' decode step (`generate`, the same
-prompts) as the peer.
+what a step can reach), and HF transformers' decode step (`generate`, rows as long as the plain
+rows on average) as the peer.
 
   python -m experiments.engine_overhead --batch_sizes=1,8,32 --dtypes=float32,bfloat16
 
 A step's time is the median over the timed decode steps of every repeat: the interval between
 consecutive tokens for the plain loop, `StepRecord.end_s - start_s` for the engine (full-batch
-decode steps only: the engine prefills one request per step, so its requests run longer, within
-the same attention window as the plain loop's). Every program is compiled by an untimed first
-run. The engine's requests ask for their final outputs only, as `LLM.generate`'s do
+decode steps only). The engine prefills one request per step, between decode steps, so when its
+batch first runs whole the earlier requests are ahead; an untimed engine run finds by how much,
+and the plain loop's row i then starts from a prompt as long as request i is at that step
+(prompt and tokens so far), so that both decode the same contexts, `--tokens - 1` steps (the
+first of them, which waited for a prefill, untimed on both sides). Every program is compiled by
+an untimed first run. The engine's requests ask for their final outputs only, as `LLM.generate`'s do
 (`--output_kind=cumulative`: a streamed output per token, as a server's streamed requests). The
 engine is also timed with async scheduling off (the same runner), for what overlapping
 the host's work with the device's gains. The breakdown is the means of `StepRecord`'s phases
@@ -112,25 +115,39 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
             last = now
         return gaps[1:]  # the first decode step waited for the prefill too
 
-    def engine_steps(engine: Engine, prompts: list[list[int]]) -> list:
-        # The engine prefills one request per step, between decode steps: each request
-        # decodes `tokens` steps more than the ramp to a full batch takes (2 steps a request).
-        longer = dataclasses.replace(params, max_tokens=tokens + 2 * len(prompts))
-        for p in prompts:
-            engine.add_request(prompt_token_ids=p, params=longer)
-        since = engine.num_steps
-        engine.run_until_done()
+    def engine_run(engine: Engine, prompts: list[list[int]], max_tokens: list[int]
+                   ) -> tuple[list, list[int]]:
+        """Runs the requests to the end: the engine's full-batch decode steps, and the tokens
+        each request had when the first of them began. The engine prefills one request per
+        step, between decode steps, so then the earlier requests are ahead."""
+        ids = [engine.add_request(prompt_token_ids=p,
+                                  params=dataclasses.replace(params, max_tokens=n))
+               for p, n in zip(prompts, max_tokens)]
+        since, ahead = engine.num_steps, None
+        while engine.has_unfinished():
+            engine.step()
+            last = engine.records[-1]
+            if ahead is None and last.kind == "decode" and last.decode_rows == len(prompts):
+                ahead = [len(engine.output(i).token_ids) - 1 for i in ids]
+        if ahead is None:
+            raise RuntimeError("the engine's batch never ran whole: raise --tokens")
         return [r for r in engine.step_records(since)
-                if r.kind == "decode" and r.decode_rows == len(prompts)]
+                if r.kind == "decode" and r.decode_rows == len(prompts)], ahead
+
+    def engine_steps(engine: Engine, prompts: list[list[int]], ahead: list[int]) -> list:
+        # Each request ends `tokens - 1` steps after the batch first runs whole: all together,
+        # as the plain loop's rows do.
+        full, now_ahead = engine_run(engine, prompts, [n + tokens - 1 for n in ahead])
+        if now_ahead != ahead or len(full) != tokens - 1:
+            raise RuntimeError(f"the engine's ramp changed between runs ({now_ahead} tokens "
+                               f"ahead, not {ahead}; {len(full)} full-batch decode steps)")
+        return full[1:]  # the first waited for a prefill step, as the plain loop's first
 
     def measure(dtype: str, b: int, model, config, tokenizer, mesh,
                 steps: DeviceSteps | None) -> dict:
-        prompts = consecutive_prompts(text_ids(tokenizer, 200_000), b, prompt_len)
+        text = text_ids(tokenizer, 200_000)
+        prompts = consecutive_prompts(text, b, prompt_len)
         model_len = prompt_len + tokens + 2 * b
-        if window_bucket(model_len) != window_bucket(prompt_len + tokens):
-            raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
-                             f"an attention window above the plain loop's: lower --prompt_len "
-                             f"or --tokens")
         engine_config = EngineConfig(max_num_seqs=b, max_prefill_tokens=prompt_len,
                                      max_model_len=model_len)
         engine = Engine(model, tokenizer, engine_config, mesh=mesh)
@@ -138,24 +155,39 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         sync = Engine(model, tokenizer,
                       dataclasses.replace(engine_config, async_scheduling=False),
                       runner=engine.runner, mesh=mesh)
+        ahead = engine_run(engine, prompts, [tokens + 2 * b] * b)[1]
+        if engine_run(sync, prompts, [tokens + 2 * b] * b)[1] != ahead:
+            raise RuntimeError("the engine ramps up differently with async scheduling off")
+        # The plain loop's row i starts where the engine's request i is when its batch first
+        # runs whole (prompt and tokens so far), so each timed step of either reads the same
+        # contexts. (Before 2026-12-06 every plain row started at --prompt_len, and the
+        # engine's rows read up to 2 x batch tokens more.)
+        lengths = [prompt_len + n - 1 for n in ahead]
+        plain_prompts = [text[sum(lengths[:i]):sum(lengths[:i + 1])] for i in range(b)]
+        if window_bucket(max(lengths) + tokens) != window_bucket(model_len):
+            raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
+                             f"an attention window above the plain loop's: lower --prompt_len "
+                             f"or --tokens")
         cache_dtype = jax.numpy.dtype(dtype)
         paged = PagedLayout(kv_format=engine.config.kv_cache_dtype)
         if steps is not None:
-            plain_steps(steps, prompts, cache_dtype)  # compiles every shape the point uses
-            plain_steps(steps, prompts, cache_dtype, paged)
-        engine_steps(engine, prompts)
+            plain_steps(steps, plain_prompts, cache_dtype)  # compiles every shape the point uses
+            plain_steps(steps, plain_prompts, cache_dtype, paged)
+        engine_steps(engine, prompts, ahead)
         plain, plain_paged, records, sync_records = [], [], [], []
         for _ in range(repeats):  # interleaved, so drift in the machine's speed hits them all
             if steps is not None:
-                plain += plain_steps(steps, prompts, cache_dtype)
-                plain_paged += plain_steps(steps, prompts, cache_dtype, paged)
-            records += engine_steps(engine, prompts)
-            sync_records += engine_steps(sync, prompts)
+                plain += plain_steps(steps, plain_prompts, cache_dtype)
+                plain_paged += plain_steps(steps, plain_prompts, cache_dtype, paged)
+            records += engine_steps(engine, prompts, ahead)
+            sync_records += engine_steps(sync, prompts, ahead)
         engine_ms = float(np.median([r.end_s - r.start_s for r in records])) * 1e3
         sync_ms = float(np.median([r.end_s - r.start_s for r in sync_records])) * 1e3
         row = {"engine_step_ms": engine_ms, "engine_sync_step_ms": sync_ms,
                "steps_timed": len(records), "engine_tok_s": b / engine_ms * 1e3,
-               "engine_devices": engine_devices(engine)}
+               "engine_devices": engine_devices(engine),
+               # Tokens a timed step's row attends to, on average (the same on both loops).
+               "mean_context": float(np.mean(lengths)) + tokens / 2}
         if steps is not None:
             plain_ms = float(np.median(plain)) * 1e3
             paged_ms = float(np.median(plain_paged)) * 1e3
@@ -164,7 +196,10 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
                     "engine_sync_over_plain": sync_ms / plain_ms,
                     "engine_over_plain_paged": engine_ms / paged_ms}
         if "hf" in peers:
-            _, hf_step = first_and_step_time(lambda n: hf_greedy(hf, prompts, n), tokens,
+            # Rows of equal length (HF pads a ragged batch), the plain rows' mean: as many
+            # tokens to attend to in a step.
+            hf_prompts = consecutive_prompts(text, b, round(float(np.mean(lengths))))
+            _, hf_step = first_and_step_time(lambda n: hf_greedy(hf, hf_prompts, n), tokens,
                                              repeats)
             row |= {"hf_step_ms": hf_step * 1e3, "engine_vs_hf": hf_step * 1e3 / engine_ms}
         # Means, not medians: the means of a step's parts add up to the mean step (medians of
@@ -179,7 +214,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
             # shared one (CPU virtual devices): one device's copy does not say which.
             return row
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.device_steps.params))
-        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, dtype)
+        kv_read = (sum(lengths) + b * tokens / 2) * kv_bytes_per_token(config, dtype)
         floor_ms = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"] * 1e3
         # The same bytes at the rate memory serves reads alone: what a step could reach.
         read_floor_ms = (weight_bytes + kv_read) / ceilings()["read_bandwidth_Bps"] * 1e3

@@ -1,4 +1,4 @@
-"""experiments/engine_overhead.py end to end at batch 1 on SmolLM2: every row holds the three
+"""experiments/engine_overhead.py end to end at batch 2 on SmolLM2: every row holds the three
 loops' step times and the engine's breakdown, whose means cannot exceed the mean step they
 split."""
 
@@ -10,10 +10,11 @@ from experiments import engine_overhead
 
 
 def test_rows_hold_steps_and_a_breakdown_within_the_step(tmp_path) -> None:
-    rows = engine_overhead.run(batch_sizes=[1], dtypes=["float32"], tokens=4, prompt_len=16,
+    rows = engine_overhead.run(batch_sizes=[2], dtypes=["float32"], tokens=4, prompt_len=16,
                                repeats=1, peers=["none"], out=str(tmp_path / "o.jsonl"))
     (row,) = rows
-    assert row["steps_timed"] > 0
+    # The first of the batch is ahead by the steps that prefilled the second.
+    assert row["steps_timed"] == 2 and row["mean_context"] > 16 + 2
     for key in ("plain_step_ms", "plain_paged_step_ms", "engine_step_ms",
                 "engine_sync_step_ms", "floor_step_ms"):
         assert row[key] > 0, key
