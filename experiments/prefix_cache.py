@@ -181,7 +181,6 @@ def run_system_prompt(model, tokenizer, mesh, work: list, caching: bool) -> dict
     engine.warmup(progress=True)
     metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
     return {"system_prompt_tokens": len(work[0].prompt_ids) - 48,
-            "prefill_tokens_computed": sum(r.prefill_tokens for r in records),
             "engine_devices": engine_devices(engine),
             **engine.prefix_cache_stats(), **summarize(metrics, wall, records)}
 

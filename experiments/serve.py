@@ -350,12 +350,12 @@ def report(rows: list[dict]) -> None:
             print(f"continuous batching: {cont['output_tok_s'] / r['output_tok_s']:.2f}x the "
                   f"output tokens/s of {r['impl']} ({r['policy']})")
     for r in rows:
-        if r.get("prompt_steps"):  # rows of earlier versions lack the split
-            print(f"{r['impl']} ({r['policy']}): prompt tokens in {r['prompt_steps']} steps "
-                  f"({r['prompt_tokens'] / r['prompt_steps']:.0f} a step), "
-                  f"{r['prompt_time_share']:.0%} of the busy time; median step "
+        if r.get("prefill_steps"):  # rows of earlier versions lack the split
+            print(f"{r['impl']} ({r['policy']}): prompt tokens in {r['prefill_steps']} steps "
+                  f"({r['prefill_tokens_computed'] / r['prefill_steps']:.0f} a step), "
+                  f"{r['prefill_time_share']:.0%} of the busy time; median step "
                   f"{r['decode_step_ms_p50']:.1f} ms decoding only, "
-                  f"{r['prompt_step_ms_p50']:.1f} ms with prompt tokens")
+                  f"{r['prefill_step_ms_p50']:.1f} ms with prompt tokens")
 
 
 def plot(rows: list[dict], path: str, max_num_seqs: int) -> None:

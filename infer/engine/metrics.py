@@ -41,30 +41,30 @@ def summarize(metrics: Sequence[RequestMetrics], wall_s: float,
         util = np.asarray([r.slot_utilization for r in busy])
         row["slot_utilization_mean"] = float((util * durations).sum() / durations.sum()) if busy else 0.0
         row["steps"] = len(busy)
-        row |= prompt_step_split(busy)
+        row |= prefill_step_split(busy)
     return row
 
 
-def prompt_step_split(busy: Sequence[StepRecord]) -> dict[str, float]:
+def prefill_step_split(busy: Sequence[StepRecord]) -> dict[str, float]:
     """How much of the busy steps' time computed prompt tokens. Steps that carry a prefill
     chunk (alone or with decode rows) against steps that only decode: their number, prompt
     tokens, seconds and share of the busy time, and each kind's median step (ms; NaN where
     none ran). Every running request waits for a prompt-carrying step, so this is the part of
     continuous batching's TPOT that arriving prompts add. A prompt's last token, where its
     chunks leave it alone, runs as a decode row and is not counted here."""
-    with_prompt = [r.end_s - r.start_s for r in busy if r.prefill_tokens > 0]
+    with_prefill = [r.end_s - r.start_s for r in busy if r.prefill_tokens > 0]
     decode_only = [r.end_s - r.start_s for r in busy if r.prefill_tokens == 0 and r.decode_rows > 0]
     busy_s = math.fsum(r.end_s - r.start_s for r in busy)
-    prompt_s = math.fsum(with_prompt)
+    prefill_s = math.fsum(with_prefill)
 
     def median_ms(durations: list[float]) -> float:
         return float(np.median(durations)) * 1e3 if durations else float("nan")
 
-    return {"prompt_steps": len(with_prompt),
-            "prompt_tokens": sum(r.prefill_tokens for r in busy),
-            "prompt_step_s": prompt_s,
-            "prompt_time_share": prompt_s / busy_s if busy_s > 0 else float("nan"),
-            "prompt_step_ms_p50": median_ms(with_prompt),
+    return {"prefill_steps": len(with_prefill),
+            "prefill_tokens_computed": sum(r.prefill_tokens for r in busy),
+            "prefill_step_s": prefill_s,
+            "prefill_time_share": prefill_s / busy_s if busy_s > 0 else float("nan"),
+            "prefill_step_ms_p50": median_ms(with_prefill),
             "decode_step_ms_p50": median_ms(decode_only)}
 
 

@@ -42,12 +42,12 @@ def test_the_split_counts_each_step_by_what_it_computed(seed: int) -> None:
 
     prompt = drawn["prefill"] + drawn["mixed"]
     busy_s = math.fsum(d for kind in drawn.values() for d, _ in kind)
-    assert row["prompt_steps"] == len(prompt)
-    assert row["prompt_tokens"] == sum(n for _, n in prompt)
-    assert row["prompt_step_s"] == pytest.approx(math.fsum(d for d, _ in prompt), rel=1e-12)
+    assert row["prefill_steps"] == len(prompt)
+    assert row["prefill_tokens_computed"] == sum(n for _, n in prompt)
+    assert row["prefill_step_s"] == pytest.approx(math.fsum(d for d, _ in prompt), rel=1e-12)
     if busy_s > 0:
-        assert row["prompt_time_share"] == pytest.approx(row["prompt_step_s"] / busy_s, rel=1e-12)
-    for key, durations in (("prompt_step_ms_p50", [d for d, _ in prompt]),
+        assert row["prefill_time_share"] == pytest.approx(row["prefill_step_s"] / busy_s, rel=1e-12)
+    for key, durations in (("prefill_step_ms_p50", [d for d, _ in prompt]),
                            ("decode_step_ms_p50", [d for d, _ in drawn["decode"]])):
         if durations:
             assert row[key] == pytest.approx(np.median(durations) * 1e3, rel=1e-12)
@@ -74,7 +74,7 @@ def test_an_engine_run_records_every_prompt_token_once(tiny_model, mixed: bool) 
     row = summarize([out.metrics for out in finished], 1.0, records)
 
     assert row["preemptions"] == 0  # a preempted request computes its prompt again
-    assert row["prompt_tokens"] == sum(len(p) - ((len(p) - 1) % chunk == 0) for p in prompts)
-    assert row["prompt_steps"] == sum(r.kind in ("prefill", "mixed") for r in records)
-    assert (row["prompt_steps"] > sum(r.kind == "prefill" for r in records)) == mixed
-    assert 0 < row["prompt_time_share"] < 1
+    assert row["prefill_tokens_computed"] == sum(len(p) - ((len(p) - 1) % chunk == 0) for p in prompts)
+    assert row["prefill_steps"] == sum(r.kind in ("prefill", "mixed") for r in records)
+    assert (row["prefill_steps"] > sum(r.kind == "prefill" for r in records)) == mixed
+    assert 0 < row["prefill_time_share"] < 1
