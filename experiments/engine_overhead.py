@@ -163,7 +163,8 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
         # contexts. (Before 2026-12-06 every plain row started at --prompt_len, and the
         # engine's rows read up to 2 x batch tokens more.)
         lengths = [prompt_len + n - 1 for n in ahead]
-        plain_prompts = [text[sum(lengths[:i]):sum(lengths[:i + 1])] for i in range(b)]
+        starts = np.cumsum([0, *lengths])
+        plain_prompts = [text[s:e] for s, e in zip(starts[:-1], starts[1:])]
         if window_bucket(max(lengths) + tokens) != window_bucket(model_len):
             raise ValueError(f"at batch {b} the engine's sequences reach {model_len} tokens, "
                              f"an attention window above the plain loop's: lower --prompt_len "
