@@ -96,6 +96,8 @@ def simulate(prompts: list[list[int]], *, page_size: int, max_pages: int | None)
     computed = peak_used = 0
     for prompt in prompts:
         pages = cache.match(prompt)
+        cache.record(lookups=1, lookup_tokens=len(prompt), hits=int(bool(pages)),
+                     hit_tokens=len(pages) * page_size)
         alloc.incref(pages)  # ours now: before reserve, whose reclaimer could evict them
         seq = alloc.new_sequence()
         seq.pages, seq.num_tokens = list(pages), len(pages) * page_size

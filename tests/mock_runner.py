@@ -83,6 +83,7 @@ class PageReadingRunner:
                 out += self.execute(dataclasses.replace(plan, decode=[seq], draft_limits=[0],
                                                         ahead=False))
             return out
+        assert plan.kind == "idle" or not plan.empty, f"a {plan.kind} step with no rows"
         # Gather before scattering: a copy's destination may be another copy's source.
         copies = [(dst, self.kv[src].copy()) for src, dst in plan.page_copies]
         for dst, data in copies:

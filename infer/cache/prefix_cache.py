@@ -21,6 +21,8 @@ Typical use by an engine (see `match` for why the match stops one token short):
     allocator.set_reclaimer(cache.evict)      # allocations evict cached pages when short
     pages = cache.match(prompt[:-1])
     allocator.incref(pages)                   # before any allocation: protects them from evict
+    cache.record(lookups=1, lookup_tokens=len(prompt) - 1, hits=int(bool(pages)),
+                 hit_tokens=len(pages) * G)   # stats count what the caller took
     seq = SequencePages(G, list(pages), len(pages) * G)
     allocator.reserve(seq, len(prompt)); ...prefill positions [seq.num_tokens, len(prompt))...
     cache.insert(tokens[:seq.num_tokens], seq.pages)   # after the KV is written
@@ -94,12 +96,16 @@ class PrefixCache:
         self._clock += 1
         for node in nodes:
             node.last_used = self._clock
-        pages = [node.page for node in nodes]
-        self._stats["lookups"] += 1
-        self._stats["lookup_tokens"] += len(token_ids)
-        self._stats["hits"] += bool(pages)
-        self._stats["hit_tokens"] += len(pages) * self.page_size
-        return pages
+        return [node.page for node in nodes]
+
+    def record(self, *, lookups: int = 0, lookup_tokens: int = 0, hits: int = 0,
+               hit_tokens: int = 0) -> None:
+        """Counts lookups and what they took. `match` counts nothing: a scheduler looks again
+        for the same request before each chunk, and only it knows which pages were new."""
+        self._stats["lookups"] += lookups
+        self._stats["lookup_tokens"] += lookup_tokens
+        self._stats["hits"] += hits
+        self._stats["hit_tokens"] += hit_tokens
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` `match` would find cached, changing nothing
@@ -201,9 +207,9 @@ class PrefixCache:
     # -- stats and checks -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Counters since the last `reset_stats` (lookups = match calls, hits = lookups that
-        matched >= 1 page, *_tokens = tokens asked for / served from the cache), the hit rates,
-        and the pages cached now."""
+        """Counters since the last `reset_stats`, as `record`ed (the scheduler: lookups =
+        admissions, hits = admissions that took >= 1 page, *_tokens = tokens asked for / taken
+        from the cache), the hit rates, and the pages cached now."""
         s = dict(self._stats)
         s["request_hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         s["token_hit_rate"] = s["hit_tokens"] / s["lookup_tokens"] if s["lookup_tokens"] else 0.0

@@ -33,6 +33,11 @@ class SeqState:
     pages: SequencePages
     # Admission order while it holds a slot (for choosing whom to preempt); -1 while waiting.
     admitted_at: int = -1
+    # Of this admission: tokens taken from the prefix cache, and how many of them lead the
+    # sequence, taken before it computed any itself (their pages hold a draft's KV too, written
+    # by whoever computed them; later ones follow pages this request computed).
+    reused_tokens: int = 0
+    cached_prefix: int = 0
 
     @property
     def status(self) -> Status:
@@ -95,6 +100,11 @@ class StepPlan:
     # Planned by `Scheduler.plan_ahead` while the step before it was in flight: each row feeds
     # that step's token from the device, one slot past the sequence's computed tokens.
     ahead: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute: no chunk and no decode row."""
+        return not self.prefill and not self.decode
 
 
 # Per prefill chunk, then per decode row: the tokens a step emitted, and their logprobs (None

@@ -180,6 +180,8 @@ class Runner:
         if plan.ahead != (after is not None):
             raise ValueError("a step planned ahead runs after the step in flight it follows, "
                              "and only such a step does")
+        if plan.kind != "idle" and plan.empty:
+            raise ValueError(f"a {plan.kind} step with no rows: the scheduler planned nothing")
         if self.mirror is not None:
             self.mirror("step", plan)
         if plan.page_copies:

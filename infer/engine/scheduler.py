@@ -145,15 +145,22 @@ class Scheduler:
                 plan = self._plan_mixed()
             elif want_prefill and (not want_decode or self._last_kind != "prefill"):
                 plan = self._plan_prefill()
-                if not plan.prefill:
-                    plan = None
-            if plan is None and want_decode:
+            # A chunk-time prefix-cache hit can complete a prompt without a chunk: look again.
+            if (plan is None or plan.empty) and any(s.decode_ready for s in self.running):
+                if plan is not None:
+                    preempted += plan.preempted
                 plan = self._plan_decode()
-            if plan is not None:
+            if plan is not None and not plan.empty:
                 self._last_kind = plan.kind
                 plan.preempted[:0] = preempted
                 return plan
-            if not want_prefill:
+            if plan is not None and plan.preempted:
+                # Every row it planned preempted itself (a decode row admitted after a request
+                # mid-prompt preempts only itself): the pages it freed may let others run now.
+                # Each such pass removes a running request, so the loop ends.
+                preempted += plan.preempted
+                continue
+            if not any(s.in_prefill for s in self.running):
                 self._last_kind = "idle"
                 return StepPlan(kind="idle", preempted=preempted)
             # Every running request is mid-prompt and the pages are gone: give the latest
@@ -182,6 +189,8 @@ class Scheduler:
             if needed > self._pages_available(pinned=cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if self.prefix_cache is not None:
+                self.prefix_cache.record(lookups=1, lookup_tokens=seq.num_tokens - 1)
             self._take_cached(seq, cached)
             seq.admitted_at = self._admissions  # RUNNING from now on
             self._admissions += 1
@@ -198,13 +207,21 @@ class Scheduler:
         them. Requests admitted together find nothing at admission; before each of their chunks
         they look again, and take what the earlier ones have computed meanwhile."""
         held = len(seq.pages.pages)
-        if len(cached) > held:
-            # Take the references before anything allocates: the reclaimer could otherwise
-            # evict pages just matched.
-            self.allocator.incref(cached[held:])
-            seq.pages.pages.extend(cached[held:])
-            seq.pages.mark_computed(len(cached) * self.allocator.page_size)
-        seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed)
+        if len(cached) <= held:
+            return  # nothing new: at most the sequence's own pages, cached as it computed them
+        # Take the references before anything allocates: the reclaimer could otherwise evict
+        # pages just matched.
+        self.allocator.incref(cached[held:])
+        seq.pages.pages.extend(cached[held:])
+        seq.pages.mark_computed(len(cached) * self.allocator.page_size)
+        taken = (len(cached) - held) * self.allocator.page_size
+        if held == 0:
+            seq.cached_prefix = taken
+        self.prefix_cache.record(hits=int(seq.reused_tokens == 0), hit_tokens=taken)
+        seq.reused_tokens += taken
+        request = seq.request
+        request.num_cached_tokens = max(request.num_cached_tokens,
+                                        min(seq.reused_tokens, len(request.prompt_token_ids)))
 
     def _pages_available(self, pinned: Sequence[int] = ()) -> int:
         """Free pages plus cached pages an allocation could evict, `pinned` ones excluded."""
@@ -354,6 +371,7 @@ class Scheduler:
         self._cache_pages(seq)  # its recompute may then find them
         self.allocator.release(seq.pages)  # nothing computed: it recomputes from the start
         seq.admitted_at = -1  # WAITING
+        seq.cached_prefix = seq.reused_tokens = 0  # its next admission looks up afresh
         seq.request.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)

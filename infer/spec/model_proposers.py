@@ -246,7 +246,7 @@ class _ModelProposer:
     def _track(self, seq: SeqState) -> _Track:
         track = self._tracks.get(seq.request.request_id)
         if track is None or track.pages is not seq.pages:
-            track = _Track(seq.pages, seq.request.num_cached_tokens)
+            track = _Track(seq.pages, seq.cached_prefix)
             self._tracks[seq.request.request_id] = track
         track.valid = min(track.valid, seq.num_computed)
         return track
@@ -543,7 +543,7 @@ class EagleProposer(_ModelProposer):
     def _keep(self, seq: SeqState, start: int, rows: np.ndarray) -> None:
         track = self._tracks.get(seq.request.request_id)
         if track is None or track.pages is not seq.pages:
-            track = _Track(seq.pages, seq.request.num_cached_tokens, feature_start=start)
+            track = _Track(seq.pages, seq.cached_prefix, feature_start=start)
             self._tracks[seq.request.request_id] = track
         if start != track.feature_end or not track.features:
             track.features, track.feature_start = [], start  # a gap: start over from here

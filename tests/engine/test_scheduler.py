@@ -217,7 +217,10 @@ def test_prefix_cache_reuses_pages_and_keeps_outputs() -> None:
     check_outputs(sched)
     assert sched.history["turn2"].request.num_cached_tokens >= 24  # 21 + 6 tokens -> 6 full pages
     assert all(sched.history[f"r{i}"].request.num_cached_tokens == 20 for i in range(1, 8))
-    assert cache.stats()["hits"] >= 8
+    # One lookup per request; its own pages, found again before each chunk, are no hit.
+    stats = cache.stats()
+    assert (stats["lookups"], stats["hits"]) == (9, 8)
+    assert stats["hit_tokens"] == 7 * 20 + sched.history["turn2"].request.num_cached_tokens
     cache.check_invariants()
     allocator.check_invariants()
     cache.evict(allocator.num_pages)
@@ -245,6 +248,39 @@ def test_prefix_cache_under_memory_pressure() -> None:
     cache.evict(allocator.num_pages)
     assert allocator.num_free() == 14
     allocator.check_invariants()
+
+
+def test_a_decode_row_that_preempts_itself_leaves_its_pages_to_a_prompt() -> None:
+    """A request decoding, admitted after one still mid-prompt, runs out of pages: it can
+    preempt only itself. The step goes on with the prompt's chunk in the pages it freed, never
+    as a decode step with no rows."""
+    sched, runner = make(num_pages=4, page_size=4, max_num_seqs=2, max_prefill_tokens=4,
+                         max_model_len=16)
+    sched.add(request("a", 14, 2))  # 16 slots: the whole pool
+    sched.add(request("b", 1, 10))  # a 1-token prompt decodes from its first step
+    plans = run(sched, runner)
+    check_outputs(sched)
+    assert all(p.prefill or p.decode for p in plans)
+    assert sched.history["b"].request.num_preemptions >= 1
+
+
+def test_a_prompt_found_cached_before_its_chunk_decodes_without_preemption() -> None:
+    """Two requests with one prompt, admitted together: the second finds the first's pages
+    before its chunk, which leaves it nothing to prefill; it decodes next, preempting nobody."""
+    from infer.cache.prefix_cache import PrefixCache
+    allocator = PageAllocator(64, 4)
+    cache = PrefixCache(allocator)
+    sched = tracked(Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_tokens=16),
+                              allocator, prefix_cache=cache))
+    runner = MockRunner(allocator)
+    a = request("a", 9, 1)
+    b = Request("b", list(a.prompt_token_ids), SamplingParams(max_tokens=4), None, (EOS,))
+    sched.add(a)
+    sched.add(b)
+    plans = run(sched, runner)
+    check_outputs(sched)
+    assert [p.kind for p in plans] == ["prefill"] + ["decode"] * 4
+    assert b.num_preemptions == 0 and b.num_cached_tokens == 8
 
 
 def test_a_full_batch_plans_ahead_while_requests_wait_for_a_slot() -> None:

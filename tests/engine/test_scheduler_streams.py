@@ -106,6 +106,7 @@ def run_stream(seed: int) -> dict[str, int]:
     budget = 0
     steps = 0
     in_flight, ahead_steps, overrun, mixed_steps = None, 0, 0, 0
+    chunk_tokens: Counter[str] = Counter()  # prompt tokens each request's chunks computed
     while pending or sched.has_unfinished():
         if pending and (not sched.has_unfinished() or rng.random() < 0.3):
             request = pending.pop(0)
@@ -119,6 +120,11 @@ def run_stream(seed: int) -> dict[str, int]:
             sched.abort(rng.choice(live).request_id)
         step, in_flight = sched.next_steps(in_flight, runner.dispatch, plan_ahead)
         sched.postprocess(step.plan, step.result())
+        # Idle only with nobody to run: a running request always has a chunk or a row to
+        # compute, or is preempted to free pages for one.
+        assert step.plan.kind != "idle" or not sched.running, f"seed {seed}: idle step"
+        for chunk in step.plan.prefill:
+            chunk_tokens[chunk.seq.request.request_id] += len(chunk.token_ids)
         ahead_steps += in_flight is not None
         mixed_steps += step.plan.kind == "mixed"
         if in_flight is not None:  # rows of the step in flight whose request just ended
@@ -131,6 +137,15 @@ def run_stream(seed: int) -> dict[str, int]:
         assert steps <= 8 * budget + 20, f"seed {seed}: no end after {steps} steps"
     for r in requests:
         assert r.finished, (seed, r.request_id)
+        # Cached tokens are those this request did not compute: with one admission, its
+        # chunks and the cache cover the prompt (or all but its last token, which a decode
+        # step computed when the cache held the rest).
+        assert 0 <= r.num_cached_tokens <= len(r.prompt_token_ids), (seed, r.request_id)
+        if cache is None:
+            assert r.num_cached_tokens == 0, (seed, r.request_id)
+        elif r.num_preemptions == 0 and r.output_ids:
+            covered = r.num_cached_tokens + chunk_tokens[r.request_id]
+            assert covered - len(r.prompt_token_ids) in (0, -1), (seed, r.request_id)
         assert r.output_ids == alone(r.prompt_token_ids, len(r.output_ids)), (seed, r.request_id)
         stops = [i for i, t in enumerate(r.output_ids) if t in r.params.stop_token_ids]
         if r.finish_reason == FinishReason.STOP:
@@ -141,6 +156,14 @@ def run_stream(seed: int) -> dict[str, int]:
     check_pages(sched, cache)
     check_states(sched, seqs)
     if cache is not None:
+        stats = cache.stats()
+        # One lookup per admission: each request with tokens was admitted, each preemption
+        # may be followed by one more.
+        assert (sum(bool(r.output_ids) for r in requests) <= stats["lookups"]
+                <= sum(1 + r.num_preemptions for r in requests)), stats
+        assert stats["hits"] <= stats["lookups"], stats
+        assert stats["hit_tokens"] <= stats["lookup_tokens"], stats
+        assert stats["hit_tokens"] >= sum(r.num_cached_tokens for r in requests), stats
         cache.check_invariants()
         cache.evict(num_pages)
     assert allocator.num_free() == num_pages, f"seed {seed}: pages lost"
