@@ -98,7 +98,19 @@ class SpeculativeConfig:
             if not isinstance(self.tree, str):
                 raise ValueError(f"tree is a shape string such as '2x3' or '3x4/15', got "
                                  f"{self.tree!r}")
-            TreeShape.parse(self.tree)  # raises on a bad shape
+            shape = TreeShape.parse(self.tree)  # raises on a bad shape
+            if self.draft_vocab_size is not None and self.draft_vocab_size < shape.branches:
+                raise ValueError(f"a draft vocabulary of {self.draft_vocab_size!r} ids cannot "
+                                 f"give tree {self.tree!r} its {shape.branches} children per "
+                                 f"node")
+        if self.method == "ngram":
+            for name in ("ngram_min", "ngram_max"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{name} must be an int, got {value!r}")
+            if not 1 <= self.ngram_min <= self.ngram_max:
+                raise ValueError(f"n-gram lengths need 1 <= ngram_min <= ngram_max, got "
+                                 f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
         check_suffix_params(self.suffix_max_match, self.suffix_spec_factor, self.suffix_min_prob,
                             self.num_tokens, self.suffix_corpus_tokens)
         path = {"draft": self.draft_path, "eagle": self.eagle_path}.get(self.method)

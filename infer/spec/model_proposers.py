@@ -162,6 +162,9 @@ class _Track:
         return self.feature_start + sum(len(f) for f in self.features)
 
     def features_from(self, start: int, end: int) -> np.ndarray:
+        if not self.feature_start <= start <= end <= self.feature_end:
+            raise ValueError(f"features of positions [{start}, {end}) asked for; held: "
+                             f"[{self.feature_start}, {self.feature_end})")
         held = np.concatenate(self.features) if len(self.features) > 1 else self.features[0]
         self.features = [held]
         return held[start - self.feature_start:end - self.feature_start]
@@ -198,6 +201,7 @@ class _ModelProposer:
                 ) -> tuple[np.ndarray, np.ndarray, jax.Array | None]:
         if k != self.k:
             raise ValueError(f"proposer built for k={self.k}, asked for {k}")
+        limits = [limit if self._can_draft(seq) else 0 for seq, limit in zip(seqs, limits)]
         active = [i for i, limit in enumerate(limits) if limit > 0]
         for i in active:
             self._catch_up_long(seqs[i])
@@ -317,6 +321,10 @@ class _ModelProposer:
         return count
 
     # -- what a subclass provides ---------------------------------------------------------------
+
+    def _can_draft(self, seq: SeqState) -> bool:
+        """Whether the row can draft this step (a draft model catches up from any point)."""
+        return True
 
     def _last_pending(self, seq: SeqState) -> int:
         """One past the last position (draft model) or row (EAGLE) to feed before drafting."""
@@ -496,7 +504,8 @@ class EagleProposer(_ModelProposer):
         leaves no room for the head's rows (`TreeShape.head_rows`, written after its last
         token) drafts nothing."""
         shape = self.config.tree
-        limits = [limit if limit + 1 >= shape.head_rows else 0 for limit in limits]
+        limits = [limit if limit + 1 >= shape.head_rows and self._can_draft(seq) else 0
+                  for seq, limit in zip(seqs, limits)]
         active = [i for i, limit in enumerate(limits) if limit > 0]
         for i in active:
             self._catch_up_long(seqs[i])
@@ -530,8 +539,15 @@ class EagleProposer(_ModelProposer):
         track = super()._track(seq)
         # Rows without features (a prefix taken from the cache) keep the head KV already in the
         # shared pages; acceptance, not exactness, depends on it.
-        track.valid = max(track.valid, min(track.feature_start, seq.num_computed))
+        start = track.feature_start if track.features else seq.num_computed
+        track.valid = max(track.valid, min(start, seq.num_computed))
         return track
+
+    def _can_draft(self, seq: SeqState) -> bool:
+        """The head drafts from the target's features of the pending rows: a request whose
+        prompt came whole from the prefix cache has none until a plain step computes one."""
+        track = self._track(seq)
+        return track.valid < self._last_pending(seq) <= track.feature_end
 
     def _rows(self, seq, track, start, end, pad_to):
         features = np.zeros((1, pad_to, self.feature_size), np.float32)

@@ -91,6 +91,7 @@ class NgramProposer:
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        _check(0, max_n, min_n)  # here, not at a request's first step
         self.max_n, self.min_n = max_n, min_n
         self._indexes: dict[str, NgramIndex] = {}
 

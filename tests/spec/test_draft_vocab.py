@@ -17,6 +17,7 @@ from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 from infer.spec.draft_vocab import load_draft_vocab
 from infer.spec.model_proposers import _draw_draft
+from infer.spec.ngram import NgramProposer
 from tests.spec.proposals import record_proposals
 
 TINY = get_config("tiny")
@@ -189,6 +190,15 @@ def test_config_refuses_what_it_cannot_use(tmp_path, tiny_model, tiny_weights) -
     with pytest.raises(FileNotFoundError, match="experiments.draft_vocab"):
         spec("draft", tiny_weights, draft_vocab_size=8, draft_vocab_path=str(tmp_path / "none"))
     spec("draft", tiny_weights, draft_vocab_path=str(tmp_path / "none"))  # unused: not read
+    with pytest.raises(ValueError, match="3 children per node"):  # top-k of 3 from 2 ids
+        spec("eagle", tiny_weights, tree="3x2", draft_vocab_size=2, draft_vocab_path=path)
+    spec("eagle", tiny_weights, tree="3x2", draft_vocab_size=3, draft_vocab_path=path)
+    for low, high in ((0, 2), (3, 2), (-1, 4), (1.0, 3), (1, True)):
+        with pytest.raises(ValueError, match="ngram_m"):
+            SpeculativeConfig("ngram", 2, ngram_min=low, ngram_max=high)
+    for low, high in ((0, 2), (3, 2), (-1, 4)):
+        with pytest.raises(ValueError, match="min_n"):
+            NgramProposer(high, low)
     # The bound is the target's vocabulary, checked when the proposer is built.
     too_big = spec("self_draft", tiny_weights, draft_vocab_size=V + 1, draft_vocab_path=path)
     with pytest.raises(ValueError, match=rf"\[1, {V}\]"):

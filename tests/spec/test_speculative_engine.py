@@ -28,20 +28,27 @@ def tiny_specs(paths: dict[str, str]) -> list[SpeculativeConfig]:
             SpeculativeConfig("eagle", 3, eagle_path=paths["eagle3"])]
 
 
-@pytest.mark.parametrize("num_pages", [None, 14])  # 14: requests get preempted
+# 14 pages: requests get preempted, and the prefix cache hands prompts over, in part or whole
+# (all but the last token), at admission or before a chunk.
+@pytest.mark.parametrize("num_pages", [None, 14])
 def test_every_proposer_keeps_greedy_outputs_tiny(tiny_model, tiny_weights, num_pages) -> None:
     rng = np.random.default_rng(0)
     # More rows than slots, so some wait; with 14 pages, running ones are preempted. (The draft
     # proposers' host loop, not compilation, is most of the time: 4 random prompts, 14 tokens.)
     prompts = [rng.integers(1, TINY.vocab_size, rng.integers(3, 30)).tolist() for _ in range(4)]
     prompts += [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]  # repetitive: n-gram lookup proposes
+    shared = rng.integers(1, TINY.vocab_size, 9).tolist()  # two pages and a token
+    prompts += [shared, shared, shared + [3, 4, 5, 6, 7, 8, 9, 10]]
     greedy = SamplingParams(max_tokens=14, ignore_eos=True)
-    plain, _ = serve(tiny_model, None, prompts, None, greedy, num_pages=num_pages)
+    caching = num_pages is not None
+    plain, _ = serve(tiny_model, None, prompts, None, greedy, num_pages=num_pages,
+                     enable_prefix_caching=caching)
     for spec in tiny_specs(tiny_weights):
-        out, stats = serve(tiny_model, None, prompts, spec, greedy, num_pages=num_pages)
+        out, stats = serve(tiny_model, None, prompts, spec, greedy, num_pages=num_pages,
+                           enable_prefix_caching=caching)
         assert out == plain, spec.method
         assert stats["proposed"] > 0, spec.method
-        assert (stats["preemptions"] > 0) == (num_pages is not None), spec.method
+        assert (stats["preemptions"] > 0) == caching, spec.method
 
 
 def test_sampled_requests_run_with_every_proposer(tiny_model, tiny_weights) -> None:
