@@ -216,6 +216,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seconds_until_work(self) -> float:
+        """How long a caller stepping on demand may wait before `step` computes anything
+        (`Scheduler.seconds_until_work`): a server sleeps that long, not in idle steps."""
+        return self.scheduler.seconds_until_work()
+
     def output(self, request_id: str) -> RequestOutput:
         """The output so far of a queued or running request, or the final one of a request
         among the latest `max_finished_outputs` finished."""

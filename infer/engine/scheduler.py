@@ -128,6 +128,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def seconds_until_work(self) -> float:
+        """How long until a step would compute something: 0 with requests running or
+        admissible now; inf with none at all. A static batch that waits to fill starts when
+        its oldest request has waited `static_max_wait_s` (inf: when drained or full)."""
+        if self.running or (self.waiting and self.config.policy == "continuous"):
+            return 0.0
+        if not self.waiting:
+            return float("inf")
+        if len(self.waiting) >= self.config.max_num_seqs or self.draining:
+            return 0.0
+        deadline = self.waiting[0].request.arrival_s + self.config.static_max_wait_s
+        return max(0.0, deadline - self.clock())
+
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

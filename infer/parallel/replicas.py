@@ -95,6 +95,9 @@ class ReplicatedEngine:
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
 
+    def seconds_until_work(self) -> float:
+        return min(r.seconds_until_work() for r in self.replicas)
+
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work; their outputs, replica by replica."""
         outputs = []

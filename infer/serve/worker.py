@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -104,8 +105,10 @@ class EngineWorker:
             self.metrics.warmed_up()
             self.ready.set()
             while not self._stopping:
-                self._take_commands(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
+                # Wait for commands while no step would compute anything (a static batch
+                # filling up waits out its deadline here, not in idle steps).
+                self._take_commands(timeout=self.engine.seconds_until_work())
+                if self.engine.seconds_until_work() == 0:
                     self._step()
         except BaseException as e:  # noqa: B902 - every waiting client must hear of it
             log.exception("the engine thread stopped")
@@ -116,13 +119,18 @@ class EngineWorker:
                 for request_id in list(replica.scheduler.seqs):
                     replica.abort(request_id)
 
-    def _take_commands(self, block: bool) -> None:
+    def _take_commands(self, timeout: float) -> None:
+        """Runs the commands queued, waiting up to `timeout` seconds (inf: for ever) for the
+        first."""
         while True:
             try:
-                command = self._inbox.get(block=block)
+                if timeout <= 0:
+                    command = self._inbox.get(block=False)
+                else:
+                    command = self._inbox.get(timeout=None if math.isinf(timeout) else timeout)
             except queue.Empty:
                 return
-            block = False
+            timeout = 0.0
             if command is None:
                 self._stopping = True
                 return

@@ -134,6 +134,28 @@ def test_static_batches_wait_and_hold_their_slots() -> None:
     check_outputs(sched)
 
 
+def test_seconds_until_work_follow_the_static_deadline() -> None:
+    now = [0.0]
+    allocator = PageAllocator(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, policy="static", static_max_wait_s=10.0),
+                      allocator, clock=lambda: now[0])
+    assert sched.seconds_until_work() == float("inf")
+    sched.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=2), None, arrival_s=1.0))
+    now[0] = 4.0
+    assert sched.seconds_until_work() == 7.0  # arrived at 1, waits until 11
+    assert sched.schedule().kind == "idle"
+    now[0] = 11.5
+    assert sched.seconds_until_work() == 0.0 and sched.schedule().kind == "prefill"
+    sched.add(Request("b", [4, 5], SamplingParams(max_tokens=1), None, arrival_s=11.5))
+    assert sched.seconds_until_work() == 0.0  # a running batch steps
+    for policy, draining, want in (("static", True, 0.0), ("continuous", False, 0.0)):
+        other = Scheduler(SchedulerConfig(max_num_seqs=2, policy=policy), PageAllocator(16, 4),
+                          clock=lambda: now[0])
+        other.draining = draining
+        other.add(Request("c", [1], SamplingParams(max_tokens=1), None, arrival_s=0.0))
+        assert other.seconds_until_work() == want
+
+
 def test_static_does_not_start_a_partial_batch_until_drained() -> None:
     sched, runner = make(max_num_seqs=4, policy="static")
     sched.add(request("a", 3, 3))

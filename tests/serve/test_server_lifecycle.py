@@ -40,6 +40,25 @@ def test_static_scheduler_needs_a_finite_wait(smollm2_4_layers) -> None:
         start_server(smollm2_4_layers, scheduler="static")
 
 
+def test_a_static_batch_waits_for_its_deadline_without_stepping(smollm2_4_layers) -> None:
+    """One request under the static scheduler waits out static_max_wait_s for company: the
+    engine thread sleeps through it, running no idle steps."""
+    http, thread, running = start_server(smollm2_4_layers, max_num_seqs=4, max_model_len=32,
+                                         max_prefill_tokens=16, scheduler="static",
+                                         static_max_wait_s=0.5)
+    try:
+        start = time.monotonic()
+        r = httpx.post(f"{running.url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - start >= 0.5
+        kinds = [rec.kind for rec in running.server.engine.records]
+        assert "idle" not in kinds and len(kinds) <= 4, kinds  # a prefill and 3 tokens
+    finally:
+        http.should_exit = True
+        thread.join(30)
+
+
 def test_a_data_parallel_server_gives_one_engines_tokens(smollm2_4_layers) -> None:
     """data_parallel_size=2: two engine replicas behind the one worker thread."""
     import concurrent.futures
