@@ -134,6 +134,9 @@ class RequestOutput:
     metrics: RequestMetrics
     seed: int | None = None  # the seed it drew with: a fresh one when none was asked for
     logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when asked for
+    # What stopped it (vLLM's stop_reason): the stop string matched, or the stop token id;
+    # None for EOS, a finished constraint, max_tokens or an abort.
+    stop_reason: str | int | None = None
 
 
 class Request:
@@ -165,6 +168,7 @@ class Request:
         self.params = params
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # see RequestOutput.stop_reason
         self.arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         self.token_times: list[float] = []
         self._token_gaps: list[float] = []  # token_times' differences, for metrics()
@@ -217,15 +221,17 @@ class Request:
         searched = len(self._text)
         if self._detok is not None:
             self._text += self._detok.step(self.output_ids)
-        cut = False
+        cut = None
         if int(token) in self._stop_ids or (self.constraint is not None and self.constraint.done):
             self.finish_reason = FinishReason.STOP
-        elif self.params.stop and self._cut_at_stop_string(searched):
-            self.finish_reason, cut = FinishReason.STOP, True
+            if int(token) in self.params.stop_token_ids:
+                self.stop_reason = int(token)
+        elif self.params.stop and (cut := self._cut_at_stop_string(searched)) is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, cut
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH
-        if self.finished and not cut and self._flush_text():
-            self.finish_reason = FinishReason.STOP
+        if self.finished and cut is None and (cut := self._flush_text()) is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, cut
         return self.finished
 
     def abort(self) -> None:
@@ -233,26 +239,29 @@ class Request:
             self.finish_reason = FinishReason.ABORT
             self._flush_text()
 
-    def _flush_text(self) -> bool:
+    def _flush_text(self) -> str | None:
         """At the end, unless a stop string cut it, the text is all the tokens'
         (decode(output_ids)): what the detokenizer held back, a character the last tokens
-        leave incomplete, is added, and cut at a stop string it completes (True then)."""
+        leave incomplete, is added, and cut at a stop string it completes (returned then)."""
         if self._detok is None:
-            return False
+            return None
         searched = len(self._text)
         self._text += self._detok.step(self.output_ids, final=True)
-        return bool(self.params.stop) and self._cut_at_stop_string(searched)
+        return self._cut_at_stop_string(searched) if self.params.stop else None
 
-    def _cut_at_stop_string(self, searched: int) -> bool:
-        """Cuts the text before the first stop string; `searched`: text length already known
-        to hold none, so only what could end in the new characters is searched again."""
+    def _cut_at_stop_string(self, searched: int) -> str | None:
+        """Cuts the text before the first stop string and returns it (None: none found);
+        `searched`: text length already known to hold none, so only what could end in the
+        new characters is searched again. Of stop strings found at one place, the longest."""
         longest = max(map(len, self.params.stop))
         start = max(0, searched - longest + 1)
-        hits = [i for i in (self._text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [(i, -len(s), s) for s in self.params.stop
+                if (i := self._text.find(s, start)) >= 0]
         if not hits:
-            return False
-        self._text = self._text[:min(hits)]
-        return True
+            return None
+        at, _, stop = min(hits)
+        self._text = self._text[:at]
+        return stop
 
     def _decoded(self) -> str:
         """The text of the output so far."""
@@ -285,4 +294,5 @@ class Request:
                              text=self._visible_text(), token_ids=list(self.output_ids),
                              finished=self.finished, finish_reason=self.finish_reason,
                              metrics=self.metrics(), seed=self.params.seed,
-                             logprobs=None if self.logprobs is None else list(self.logprobs))
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             stop_reason=self.stop_reason)

@@ -217,11 +217,14 @@ class Tokenizer:
     # -- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in the text become their ids."""
+        """Token ids of `text`; special tokens written in the text become their ids. BOS is
+        added (by default where the tokenizer's config says so) unless the text begins with it
+        already, as a rendered chat template that writes `bos_token` does: never two."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self._add_bos if add_bos is None else add_bos:
+        if (self._add_bos if add_bos is None else add_bos) and not (
+                ids and ids[0] == self._bos_id):
             if self._bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
             ids.insert(0, self._bos_id)

@@ -46,6 +46,9 @@ class Server:
         self.engine = engine
         self.metrics = ServerMetrics(served.name)
         self.worker = EngineWorker(engine, self.metrics, warmup=warmup)
+        # Request ids of the jobs being answered, checked here so that a clash is a 400 before
+        # a stream's 200 goes out (the engine thread would refuse it only later).
+        self._live_ids: set[str] = set()
         routes = [
             Route("/health", self.health), Route("/v1/health", self.health),
             Route("/v1/models", self.models), Route("/v1/models/{model_id:path}", self.model),
@@ -144,15 +147,24 @@ class Server:
         if header_id and "request_id" not in body:
             body = {**body, "request_id": header_id}
         job = parse(body, self.served, self.engine.make_request, arrival_s)
+        ids = [r.request_id for r in job.requests]
+        clash = next((i for i in ids if i in self._live_ids), None)
+        if clash is not None:
+            raise ApiError(400, f"request id {clash!r} is already in use", "request_id")
         stream = _JobStream(job)
+        self._live_ids.update(ids)
         try:
             self.worker.submit(job.requests, stream.put)
         except EngineDied as e:
+            self._live_ids.difference_update(ids)
             raise ApiError(503, str(e)) from None
         if job.stream:
             return StreamingResponse(self._events(job, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(job, stream, request)
+        try:
+            return await self._whole(job, stream, request)
+        finally:
+            self._live_ids.difference_update(ids)
 
     async def _whole(self, job: Job, stream: "_JobStream", request: HttpRequest) -> Response:
         """Waits for every choice; a client that goes away aborts them."""
@@ -180,7 +192,7 @@ class Server:
             while not stream.done:
                 item = await stream.next()
                 if isinstance(item, BaseException):
-                    yield _sse({"error": ApiError(500, str(item)).envelope()["error"]})
+                    yield _sse({"error": _api_error_of(item).envelope()["error"]})
                     break
                 for out in item:
                     i = stream.index[out.request_id]
@@ -199,6 +211,7 @@ class Server:
         finally:
             if not stream.done:
                 self.worker.abort([r.request_id for r in job.requests], stream.put)
+            self._live_ids.difference_update(r.request_id for r in job.requests)
 
 
 class _JobStream:
@@ -239,10 +252,15 @@ class _JobStream:
 
     @staticmethod
     def raise_error(item: list[RequestOutput] | BaseException) -> None:
-        if isinstance(item, ValueError):  # the engine refused the job (a duplicate id)
-            raise ApiError(400, str(item), "request_id")
         if isinstance(item, BaseException):
-            raise ApiError(500, str(item))
+            raise _api_error_of(item)
+
+
+def _api_error_of(error: BaseException) -> ApiError:
+    """What the engine thread delivered instead of outputs, as the client hears it."""
+    if isinstance(error, ValueError):  # the engine refused the job (a duplicate id)
+        return ApiError(400, str(error), "request_id")
+    return ApiError(500, str(error))
 
 
 def _sse(payload: dict) -> str:
@@ -256,8 +274,9 @@ async def _json_body(request: HttpRequest) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError: both
+        raise ApiError(400, f"the body is not valid JSON (or nested too deeply): {e!r:.200}"
+                       ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

@@ -26,8 +26,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's
 class ApiError(Exception):
     """An error answered with OpenAI's envelope: `{"error": {message, type, param, code}}`."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -174,7 +174,10 @@ def _number(body: Mapping, name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"{name} must be a number, got {value!r}", name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range
+        raise ApiError(400, f"{name} is out of range, got {value!r:.40}", name) from None
 
 
 def _stop(body: Mapping) -> tuple[str, ...] | None:
@@ -416,7 +419,14 @@ def _prompts(body: Mapping, tokenizer: Tokenizer) -> list[list[int]]:
                             f"ids or list of lists of them, got {prompt!r:.80}", "prompt")
     if not all(prompts):
         raise ApiError(400, "prompt is empty", "prompt")
-    return [tokenizer.encode(p) for p in prompts]
+    add_bos = _add_special_tokens(body)
+    return [tokenizer.encode(p, add_bos=add_bos) for p in prompts]
+
+
+def _add_special_tokens(body: Mapping) -> bool | None:
+    """vLLM's `add_special_tokens`: whether to add BOS; unset, the tokenizer's own setting."""
+    value = body.get("add_special_tokens")
+    return None if value is None else _bool(body, "add_special_tokens", True)
 
 
 def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
@@ -471,8 +481,9 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     text = served.tokenizer.apply_chat_template(
         chat_messages(body["messages"]),
         add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    # As LLM.chat does: the rendered template is the prompt, encoded once.
-    prompt_ids = served.tokenizer.encode(text)
+    # As LLM.chat does: the rendered template is the prompt, encoded once (a template that
+    # writes BOS gets no second one).
+    prompt_ids = served.tokenizer.encode(text, add_bos=_add_special_tokens(body))
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _int(body, name, None)
@@ -495,7 +506,8 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
 def usage(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     prompt = job.num_prompt_tokens
     completion = sum(len(o.token_ids) for o in outputs)
-    cached = sum(o.metrics.num_cached_tokens for o in outputs)
+    # Over the prompts counted once, as prompt_tokens is: each prompt's first choice.
+    cached = sum(o.metrics.num_cached_tokens for o in outputs[::job.n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -583,7 +595,7 @@ def _choice(job: Job, index: int, out: RequestOutput, logprobs: dict | None) -> 
     FinishReason's value is OpenAI's string)."""
     choice: dict = {"index": index, "logprobs": logprobs,
                     "finish_reason": out.finish_reason.value if out.finished else None,
-                    "stop_reason": None, "seed": out.seed}
+                    "stop_reason": out.stop_reason if out.finished else None, "seed": out.seed}
     if job.return_token_ids:
         choice["token_ids"] = list(out.token_ids)
         choice["prompt_token_ids"] = list(out.prompt_token_ids)

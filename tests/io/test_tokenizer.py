@@ -113,6 +113,20 @@ def test_chat_template_raise_exception(tok: Tokenizer) -> None:
         strict.apply_chat_template([{"role": "assistant", "content": "no"}])
 
 
+def test_bos_is_never_added_twice(tok: Tokenizer) -> None:
+    """A tokenizer that adds BOS (Llama 3's) under a template that writes `bos_token`: the
+    rendered chat gets one BOS, as a prompt without it gets one added."""
+    llama3_like = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=True,
+                            chat_template="{{ bos_token }}{% for m in messages %}"
+                                          "{{ m['content'] }}\n{% endfor %}")
+    chat = llama3_like.encode(llama3_like.apply_chat_template([{"role": "user", "content": "hi"}]))
+    bos = tok.bos_id
+    assert chat[0] == bos and chat[1] != bos
+    assert chat[1:] == tok.encode("hi\n", add_bos=False)
+    assert llama3_like.encode("hi") == [bos] + tok.encode("hi", add_bos=False)
+    assert llama3_like.encode("hi", add_bos=False) == tok.encode("hi", add_bos=False)
+
+
 @pytest.mark.parametrize("text", [
     "héllo 世界 🎉👍🏽 done",
     "👨‍👩‍👧🇫🇷 日本語のテキスト 中文 한국어 ∑∫√ ok",

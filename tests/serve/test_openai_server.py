@@ -121,6 +121,41 @@ def test_stop_string_is_cut_and_never_half_streamed(running) -> None:
     assert streamed == cut
 
 
+def test_stop_reason_names_what_stopped_the_choice(running) -> None:
+    """vLLM's stop_reason: the stop string matched, the stop token id, or null (max_tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = running.llm.generate(PROMPTS[1], params)[0]
+    words = [w for w in free.text.split() if len(w) >= 3 and free.text.find(w) > 0]
+    body = {"model": "smollm2-4l", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    url = f"{running.url}/v1/completions"
+    for extra, reason in (({}, None), ({"stop": ["\u2603", words[0]]}, words[0]),
+                          ({"stop_token_ids": [free.token_ids[3]]}, free.token_ids[3])):
+        choice = httpx.post(url, json=body | extra, timeout=60).json()["choices"][0]
+        assert choice["stop_reason"] == reason, (extra, choice)
+        assert choice["finish_reason"] == ("length" if reason is None else "stop")
+
+
+def test_usage_counts_each_prompt_once(running) -> None:
+    """Prompt tokens and their cached part, over n choices of two prompts: once per prompt."""
+    import dataclasses
+
+    from infer.serve.protocol import Job, usage
+
+    outs = running.llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))
+    choices = []
+    for out in outs:
+        for i in range(3):  # choice i found the prompt cached 4 tokens further
+            metrics = dataclasses.replace(out.metrics, num_cached_tokens=4 * i)
+            choices.append(dataclasses.replace(out, metrics=metrics))
+    job = Job("completion", "cmpl-x", "smollm2-4l", 0, [dataclasses.replace(
+        o, request_id=f"{k}") for k, o in enumerate(choices)], 3, False, False, False)
+    got = usage(job, choices)
+    assert got["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert got["prompt_tokens_details"]["cached_tokens"] == 0
+    assert got["completion_tokens"] == 6 * 2
+
+
 def test_seeds_reproduce_while_other_requests_run(running) -> None:
     client = running.client()
 
@@ -171,6 +206,8 @@ BAD = [
     (dict(prompt=""), "prompt"), (dict(prompt=[]), "prompt"), (dict(prompt=[49152]), "prompt"),
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(response_format={"type": "json_schema"}),
                                              "response_format"),
+    (dict(temperature=10**400), "temperature"), (dict(top_p=-10**400), "top_p"),
+    (dict(add_special_tokens="no"), "add_special_tokens"),
 ]
 
 
@@ -203,6 +240,11 @@ def test_errors_through_the_client_and_raw(running) -> None:
     assert httpx.post(url, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"}
                       ).status_code == 400
     assert httpx.post(url, json=[1, 2]).status_code == 400
+    deep = httpx.post(url, content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert deep.status_code == 400 and "JSON" in deep.json()["error"]["message"]
+    wrong_method = httpx.get(url)
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == 405
     missing = httpx.get(f"{running.url}/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
     assert httpx.get(f"{running.url}/health").status_code == 200
@@ -229,6 +271,10 @@ def test_duplicate_request_ids_are_refused_while_running(running) -> None:
             time.sleep(0.05)
         second = httpx.post(url, json=body | {"max_tokens": 2}, timeout=60)
         assert second.status_code == 400 and "mine" in second.json()["error"]["message"]
+        # Streamed, the refusal comes before any event: a 400, not a 200 with an error event.
+        streamed = httpx.post(url, json=body | {"max_tokens": 2, "stream": True}, timeout=60)
+        assert streamed.status_code == 400, streamed.text
+        assert streamed.json()["error"]["param"] == "request_id"
         assert first.result().status_code == 200
         assert first.result().json()["id"] == "mine"
 
