@@ -250,8 +250,10 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_ylabel("TTFT p50 (s)")
         ax2.set_ylabel("prefill tokens computed (thousands)")
         ax.set_title(title)
-        ax.legend(loc="upper left")
-        ax2.legend(loc="upper right")
+        for axis in (ax, ax2):  # headroom: one legend above both bars
+            axis.set_ylim(0, axis.get_ylim()[1] * 1.35)
+        (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+        ax2.legend(h1 + h2, l1 + l2, loc="upper right")
     save_figure(fig, path)
 
 
