@@ -381,11 +381,15 @@ class Scheduler:
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
     def _preempt(self, seq: SeqState) -> None:
+        """Back to the queue's front. One that held no pages (admitted, its first chunk not yet
+        planned) loses nothing and is not counted as preempted: FCFS still sends it back, so
+        that the requests admitted before it get the pages first."""
+        if seq.pages.pages:
+            seq.request.num_preemptions += 1
         self._cache_pages(seq)  # its recompute may then find them
         self.allocator.release(seq.pages)  # nothing computed: it recomputes from the start
         seq.admitted_at = -1  # WAITING
         seq.cached_prefix = seq.reused_tokens = 0  # its next admission looks up afresh
-        seq.request.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

@@ -107,6 +107,16 @@ def run_stream(seed: int) -> dict[str, int]:
     steps = 0
     in_flight, ahead_steps, overrun, mixed_steps = None, 0, 0, 0
     chunk_tokens: Counter[str] = Counter()  # prompt tokens each request's chunks computed
+    # Preemptions that took pages from a request: what its num_preemptions must count (one
+    # holding none, admitted but not yet started, loses nothing when sent back).
+    lost: Counter[str] = Counter()
+    preempt = sched._preempt
+
+    def watched_preempt(seq: SeqState) -> None:
+        lost[seq.request.request_id if seq.pages.pages else "(held none)"] += 1
+        preempt(seq)
+
+    sched._preempt = watched_preempt
     while pending or sched.has_unfinished():
         if pending and (not sched.has_unfinished() or rng.random() < 0.3):
             request = pending.pop(0)
@@ -137,6 +147,7 @@ def run_stream(seed: int) -> dict[str, int]:
         assert steps <= 8 * budget + 20, f"seed {seed}: no end after {steps} steps"
     for r in requests:
         assert r.finished, (seed, r.request_id)
+        assert r.num_preemptions == lost[r.request_id], (seed, r.request_id)
         # Cached tokens are those this request did not compute: with one admission, its
         # chunks and the cache cover the prompt (or all but its last token, which a decode
         # step computed when the cache held the rest).
@@ -158,9 +169,9 @@ def run_stream(seed: int) -> dict[str, int]:
     if cache is not None:
         stats = cache.stats()
         # One lookup per admission: each request with tokens was admitted, each preemption
-        # may be followed by one more.
+        # (or sending back) may be followed by one more.
         assert (sum(bool(r.output_ids) for r in requests) <= stats["lookups"]
-                <= sum(1 + r.num_preemptions for r in requests)), stats
+                <= sum(1 + r.num_preemptions for r in requests) + lost["(held none)"]), stats
         assert stats["hits"] <= stats["lookups"], stats
         assert stats["hit_tokens"] <= stats["lookup_tokens"], stats
         assert stats["hit_tokens"] >= sum(r.num_cached_tokens for r in requests), stats
@@ -169,6 +180,7 @@ def run_stream(seed: int) -> dict[str, int]:
     assert allocator.num_free() == num_pages, f"seed {seed}: pages lost"
     allocator.check_invariants()
     return {"steps": steps, "preemptions": sum(r.num_preemptions for r in requests),
+            "sent_back_holding_none": lost["(held none)"],
             "cached": sum(r.num_cached_tokens for r in requests), "ahead": ahead_steps,
             "overrun": overrun, "mixed": mixed_steps,
             "stopped": sum(r.finish_reason == FinishReason.STOP for r in requests)}
@@ -182,6 +194,7 @@ def test_random_streams_finish_exact_and_lose_no_page(block: int) -> None:
     # The streams must really exercise what they claim to: preemption, cache hits, steps
     # planned ahead and requests stopping early.
     assert totals["preemptions"] > 50 and totals["cached"] > 500, totals
+    assert totals["sent_back_holding_none"] > 0, totals
     assert totals["ahead"] > 1000 and totals["stopped"] > 200 and totals["overrun"] > 5, totals
     assert totals["mixed"] > 500, totals
 
