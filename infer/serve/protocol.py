@@ -81,6 +81,9 @@ class Job:
     return_token_ids: bool
     # Set when the request asked for logprobs: the text each token is reported as.
     token_text: Callable[[int], str] | None = None
+    # stream_options.continuous_usage_stats (with include_usage): every event carries its
+    # choice's usage so far, as vLLM's do.
+    continuous_usage: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -350,6 +353,13 @@ def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool]:
     return n, stream, include_usage
 
 
+def _continuous_usage(body: Mapping) -> bool:
+    """vLLM's stream_options.continuous_usage_stats, which counts only with include_usage."""
+    options = body.get("stream_options") or {}
+    return (_bool(options, "include_usage", False)
+            and _bool(options, "continuous_usage_stats", False))
+
+
 def _response_id(body: Mapping, prefix: str) -> str:
     given = body.get("request_id")
     if given is None:
@@ -443,7 +453,8 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
                          params, n, arrival_s, "prompt", structured_param, stream)
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
-               served.token_text if params.logprobs is not None else None)
+               served.token_text if params.logprobs is not None else None,
+               continuous_usage=_continuous_usage(body))
 
 
 def chat_messages(messages: object) -> list[dict[str, str]]:
@@ -498,7 +509,8 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
                          params, n, arrival_s, "messages", structured_param, stream)
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
-               served.token_text if params.logprobs is not None else None)
+               served.token_text if params.logprobs is not None else None,
+               continuous_usage=_continuous_usage(body))
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -632,8 +644,13 @@ def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool,
                            else {"content": delta} if delta or not out.finished else {})
     else:
         choice["text"] = delta
-    return {"id": job.response_id, "object": _object(job, True), "created": job.created,
-            "model": job.model, "choices": [choice]}
+    event = {"id": job.response_id, "object": _object(job, True), "created": job.created,
+             "model": job.model, "choices": [choice]}
+    if job.continuous_usage:  # this choice's, as vLLM counts them
+        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+        event["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}
+    return event
 
 
 def usage_chunk(job: Job, outputs: Sequence[RequestOutput]) -> dict:

@@ -121,6 +121,28 @@ def test_stop_string_is_cut_and_never_half_streamed(running) -> None:
     assert streamed == cut
 
 
+def test_continuous_usage_stats_count_each_event(running) -> None:
+    """stream_options.continuous_usage_stats: each event carries its choice's tokens so far,
+    ending at the final usage's count; without it (or without include_usage) no event does."""
+    body = {"model": "smollm2-4l", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    url = f"{running.url}/v1/completions"
+
+    def events(options: dict) -> list[dict]:
+        with httpx.stream("POST", url, json=body | {"stream_options": options}, timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: {")]
+
+    got = events({"include_usage": True, "continuous_usage_stats": True})
+    counts = [e["usage"]["completion_tokens"] for e in got if e["choices"]]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 6, counts
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 6
+    prompt = got[-1]["usage"]["prompt_tokens"]
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in got)
+    for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+        assert all("usage" not in e for e in events(options) if e["choices"]), options
+
+
 def test_stop_reason_names_what_stopped_the_choice(running) -> None:
     """vLLM's stop_reason: the stop string matched, the stop token id, or null (max_tokens)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
