@@ -184,13 +184,9 @@ class Scheduler:
             preempted.append(victim)
 
     def _admit(self) -> None:
-        if self.config.policy == "static":
-            if self.running or not self.waiting:
-                return
-            oldest_wait = self.clock() - self.waiting[0].request.arrival_s
-            if not (len(self.waiting) >= self.config.max_num_seqs or self.draining
-                    or oldest_wait >= self.config.static_max_wait_s):
-                return
+        # A static batch starts only when none runs and its wait is over.
+        if self.config.policy == "static" and (self.running or self.seconds_until_work() > 0):
+            return
         self._batch_width = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
