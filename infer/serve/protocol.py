@@ -324,8 +324,9 @@ def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
         raise ApiError(400, first, name if name in kwargs else None) from None
 
 
-def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool]:
-    """model, n, best_of, stream and stream_options: (n, stream, include_usage)."""
+def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool, bool]:
+    """model, n, best_of, stream and stream_options: (n, stream, include_usage,
+    continuous_usage); vLLM's continuous_usage_stats counts only with include_usage."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     warn_unknown(body)
@@ -350,14 +351,8 @@ def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool]:
         raise ApiError(400, f"stream_options must be an object, got {options!r}",
                        "stream_options")
     include_usage = bool(options and _bool(options, "include_usage", False))
-    return n, stream, include_usage
-
-
-def _continuous_usage(body: Mapping) -> bool:
-    """vLLM's stream_options.continuous_usage_stats, which counts only with include_usage."""
-    options = body.get("stream_options") or {}
-    return (_bool(options, "include_usage", False)
-            and _bool(options, "continuous_usage_stats", False))
+    continuous = include_usage and _bool(options, "continuous_usage_stats", False)
+    return n, stream, include_usage, continuous
 
 
 def _response_id(body: Mapping, prefix: str) -> str:
@@ -441,7 +436,7 @@ def _add_special_tokens(body: Mapping) -> bool | None:
 
 def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
                      arrival_s: float) -> Job:
-    n, stream, include_usage = _check_common(body, served)
+    n, stream, include_usage, continuous_usage = _check_common(body, served)
     prompts = _prompts(body, served.tokenizer)
     max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     structured, structured_param = structured_output(body)
@@ -454,7 +449,7 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None,
-               continuous_usage=_continuous_usage(body))
+               continuous_usage=continuous_usage)
 
 
 def chat_messages(messages: object) -> list[dict[str, str]]:
@@ -486,7 +481,7 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
 
 def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
                arrival_s: float) -> Job:
-    n, stream, include_usage = _check_common(body, served)
+    n, stream, include_usage, continuous_usage = _check_common(body, served)
     if not isinstance(body.get("messages"), list):
         raise ApiError(400, "messages is required: a list of {role, content}", "messages")
     text = served.tokenizer.apply_chat_template(
@@ -510,7 +505,7 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None,
-               continuous_usage=_continuous_usage(body))
+               continuous_usage=continuous_usage)
 
 
 # -- responses -----------------------------------------------------------------------------
