@@ -95,9 +95,7 @@ def simulate(prompts: list[list[int]], *, page_size: int, max_pages: int | None)
     alloc.set_reclaimer(cache.evict)
     computed = peak_used = 0
     for prompt in prompts:
-        pages = cache.match(prompt)
-        cache.record(lookups=1, lookup_tokens=len(prompt), hits=int(bool(pages)),
-                     hit_tokens=len(pages) * page_size)
+        pages = cache.lookup(prompt)
         alloc.incref(pages)  # ours now: before reserve, whose reclaimer could evict them
         seq = alloc.new_sequence()
         seq.pages, seq.num_tokens = list(pages), len(pages) * page_size

@@ -19,10 +19,8 @@ Typical use by an engine (see `match` for why the match stops one token short):
 
     cache = PrefixCache(allocator)
     allocator.set_reclaimer(cache.evict)      # allocations evict cached pages when short
-    pages = cache.match(prompt[:-1])
+    pages = cache.lookup(prompt[:-1])         # match, counted as one lookup taking its pages
     allocator.incref(pages)                   # before any allocation: protects them from evict
-    cache.record(lookups=1, lookup_tokens=len(prompt) - 1, hits=int(bool(pages)),
-                 hit_tokens=len(pages) * G)   # stats count what the caller took
     seq = SequencePages(G, list(pages), len(pages) * G)
     allocator.reserve(seq, len(prompt)); ...prefill positions [seq.num_tokens, len(prompt))...
     cache.insert(tokens[:seq.num_tokens], seq.pages)   # after the KV is written
@@ -97,6 +95,15 @@ class PrefixCache:
         for node in nodes:
             node.last_used = self._clock
         return [node.page for node in nodes]
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """`match`, counted in the stats as one lookup whose caller takes every matched page:
+        for callers that look up a sequence once (a scheduler looking again before each chunk
+        counts with `record` instead)."""
+        pages = self.match(token_ids)
+        self.record(lookups=1, lookup_tokens=len(token_ids), hits=int(bool(pages)),
+                    hit_tokens=len(pages) * self.page_size)
+        return pages
 
     def record(self, *, lookups: int = 0, lookup_tokens: int = 0, hits: int = 0,
                hit_tokens: int = 0) -> None:

@@ -110,25 +110,31 @@ _REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choic
                    "guided_whitespace_pattern": None}
 # Fields that each carry one output constraint, in the order a conflict is reported in.
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "json_schema", "regex", "ebnf")
-# Fields read below, or harmless to ignore (`user` only tags requests for OpenAI's abuse checks).
-_KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids", "ignore_eos",
-          "stream", "stream_options", "return_token_ids", "request_id", "user",
-          "add_generation_prompt", "parallel_tool_calls", "add_special_tokens", "logprobs",
-          "top_logprobs"} | set(_NEUTRAL) | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
+# Fields read below, or harmless to ignore (`user` only tags requests for OpenAI's abuse checks),
+# on both endpoints; then each endpoint's own (max_completion_tokens is chat's alone, as in
+# OpenAI's and vLLM's APIs: a completion client sending it gets the log line, not a silent 16).
+_KNOWN = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop",
+          "stop_token_ids", "ignore_eos", "stream", "stream_options", "return_token_ids",
+          "request_id", "user", "add_special_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) \
+    | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
+_ENDPOINT_FIELDS = {"completion": {"prompt"},
+                    "chat": {"messages", "max_completion_tokens", "add_generation_prompt",
+                             "parallel_tool_calls"}}
 
 
 class _UnknownFields:
-    """Logs each unknown field name once per process, then ignores it."""
+    """Logs each field name unknown to an endpoint once per process, then ignores it."""
 
     def __init__(self) -> None:
-        self.seen: set[str] = set()
+        self.seen: set[tuple[str, str]] = set()
 
-    def __call__(self, body: Mapping) -> None:
-        for name in sorted(set(body) - _KNOWN - self.seen):
-            self.seen.add(name)
-            log.info("ignoring the request field %r (not an OpenAI or vLLM field infer reads)",
-                     name)
+    def __call__(self, body: Mapping, endpoint: str) -> None:
+        known = _KNOWN | _ENDPOINT_FIELDS[endpoint]
+        for name in sorted(set(body) - known):
+            if (endpoint, name) not in self.seen:
+                self.seen.add((endpoint, name))
+                log.info("ignoring the request field %r (not a field infer reads in a %s "
+                         "request)", name, endpoint)
 
 
 warn_unknown = _UnknownFields()
@@ -324,12 +330,13 @@ def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
         raise ApiError(400, first, name if name in kwargs else None) from None
 
 
-def _check_common(body: Mapping, served: ServedModel) -> tuple[int, bool, bool, bool]:
+def _check_common(body: Mapping, served: ServedModel,
+                  endpoint: str) -> tuple[int, bool, bool, bool]:
     """model, n, best_of, stream and stream_options: (n, stream, include_usage,
     continuous_usage); vLLM's continuous_usage_stats counts only with include_usage."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
-    warn_unknown(body)
+    warn_unknown(body, endpoint)
     model = body.get("model")
     if model is not None and model != served.name:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
@@ -436,7 +443,7 @@ def _add_special_tokens(body: Mapping) -> bool | None:
 
 def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
                      arrival_s: float) -> Job:
-    n, stream, include_usage, continuous_usage = _check_common(body, served)
+    n, stream, include_usage, continuous_usage = _check_common(body, served, "completion")
     prompts = _prompts(body, served.tokenizer)
     max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     structured, structured_param = structured_output(body)
@@ -481,7 +488,7 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
 
 def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
                arrival_s: float) -> Job:
-    n, stream, include_usage, continuous_usage = _check_common(body, served)
+    n, stream, include_usage, continuous_usage = _check_common(body, served, "chat")
     if not isinstance(body.get("messages"), list):
         raise ApiError(400, "messages is required: a list of {role, content}", "messages")
     text = served.tokenizer.apply_chat_template(

@@ -13,17 +13,11 @@ from infer.cache.page_allocator import OutOfPages, PageAllocator, SequencePages
 from infer.cache.prefix_cache import PrefixCache
 
 
-def lookup(cache: PrefixCache, tokens: list[int]) -> list[int]:
-    """A match counted as a scheduler counts an admission's."""
-    pages = cache.match(tokens)
-    cache.record(lookups=1, lookup_tokens=len(tokens), hits=int(bool(pages)),
-                 hit_tokens=len(pages) * cache.page_size)
-    return pages
 
 
 def prefill(alloc: PageAllocator, cache: PrefixCache, tokens: list[int]) -> SequencePages:
     """One request as an engine runs it: match, take the pages, compute the rest, insert."""
-    pages = lookup(cache, tokens)
+    pages = cache.lookup(tokens)
     alloc.incref(pages)
     seq = SequencePages(alloc.page_size, list(pages), len(pages) * alloc.page_size)
     alloc.reserve(seq, len(tokens))
@@ -229,8 +223,8 @@ def test_stats():
     seq_pages = seq.pages[:2]
     alloc.release(seq)
     assert cache.match(list(range(9))) == seq_pages  # counts nothing by itself
-    lookup(cache, list(range(9)))  # 2 pages: 8 of 9 tokens
-    lookup(cache, [9] * 5)  # miss
+    cache.lookup(list(range(9)))  # 2 pages: 8 of 9 tokens
+    cache.lookup([9] * 5)  # miss
     cache.evict(1)
     s = cache.stats()
     assert {k: s[k] for k in ("lookups", "hits", "lookup_tokens", "hit_tokens", "inserts",

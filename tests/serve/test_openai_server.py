@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import time
 
 import httpx
@@ -279,6 +280,21 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted(running) -> None
     r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_field_of_the_other_endpoint_is_logged_as_ignored(caplog) -> None:
+    from infer.serve.protocol import _UnknownFields
+
+    warn = _UnknownFields()
+    with caplog.at_level(logging.INFO, logger="infer"):
+        # max_completion_tokens is chat's: a completion would silently keep its 16 tokens.
+        warn({"prompt": "x", "max_completion_tokens": 5, "max_tokens": 3}, "completion")
+        warn({"messages": [], "max_completion_tokens": 5, "prompt": "x"}, "chat")
+        warn({"prompt": "x", "max_completion_tokens": 5}, "completion")  # once per process
+    ignored = [r.getMessage() for r in caplog.records]
+    assert len(ignored) == 2, ignored
+    assert "'max_completion_tokens'" in ignored[0] and "completion" in ignored[0]
+    assert "'prompt'" in ignored[1] and "chat" in ignored[1]
 
 
 def test_duplicate_request_ids_are_refused_while_running(running) -> None:
