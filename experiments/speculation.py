@@ -534,8 +534,9 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     prompts = prompts[:num_prompts]
     shapes = ([TreeShape(branches, depth), TreeShape(1, depth)]
               + [TreeShape.parse(text) for text in dynamic_trees])
-    nodes = max(shape.num_nodes for shape in shapes)
-    max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + nodes + 2) // 128)
+    # A step writes its nodes, or the head's rows where a wide dynamic tree has more.
+    slots = max(max(shape.num_nodes, shape.head_rows) for shape in shapes)
+    max_len = 128 * -(-(max(map(len, prompts)) + max_tokens + slots + 2) // 128)
     # Built when a point needs them; each holds its compiled programs for the whole sweep.
     # The baseline and the speculators run the target on one DeviceSteps: bound once.
     plain = functools.cache(lambda: DeviceSteps(model, feature_layers=head.feature_layers))

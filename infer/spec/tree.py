@@ -186,6 +186,9 @@ class TreeSpeculator:
         # The full tree's fixed parents; a dynamic tree's come with each draft.
         self.parents = full_tree(branches, depth) if budget is None else None
         self.num_nodes = self.shape.num_nodes
+        # Slots from `length` that a step writes: the target's candidates, and the head's rows
+        # (one per expanded node), which a wide dynamic tree has more of (8x6/15: 40 against 16).
+        self.step_slots = max(self.num_nodes, self.shape.head_rows)
         t, h = self.steps.binding, binding(head)
         if draft_vocab is not None and len(draft_vocab) < branches:
             raise ValueError(f"a draft vocabulary of {len(draft_vocab)} ids cannot give "
@@ -207,7 +210,7 @@ class TreeSpeculator:
         `DeviceSteps.prefill_step` from `sampling` like the simple loop's). An unseeded
         `sampling` gets its seed here, once for the whole generation."""
         n = len(prompt_ids)
-        if n < 1 or n + self.num_nodes > self.max_len:
+        if n < 1 or n + self.step_slots > self.max_len:
             raise ValueError(f"prompt of {n} tokens does not fit max_len={self.max_len}")
         p = prompt_bucket(n, cap=self.max_len)
         tokens = np.zeros((1, p), np.int32)
@@ -224,10 +227,10 @@ class TreeSpeculator:
                                   arrays)
 
     def _check_room(self, state: SpecState) -> None:
-        """Draft, verify and step write slots [length, length + N) of both caches (the head's
-        catch-up rows lie below length)."""
+        """Draft, verify and step write slots [length, length + step_slots) of the caches (the
+        head's catch-up rows lie below length)."""
         length = int(state.length)
-        check_writes(length, length + self.num_nodes, self.max_len)
+        check_writes(length, length + self.step_slots, self.max_len)
 
     def draft(self, state: SpecState) -> tuple[jax.Array, jax.Array, KVCache]:
         """The candidate tree, tokens [N] and parents [N] (node 0: the root), and the head's
@@ -270,9 +273,9 @@ def tree_generate(spec: TreeSpeculator, prompt_ids: Sequence[int], max_new_token
     full_steps: steps that accepted a whole path of `depth`, mean_accepted, tokens_per_step,
     prefill_s, decode_s, decode_tok_s). Exact: greedy output equals the target's greedy
     decoding, sampled output follows its distribution under `sampling`."""
-    if len(prompt_ids) + max_new_tokens + spec.num_nodes > spec.max_len:
-        raise ValueError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens + a tree of "
-                         f"{spec.num_nodes} exceed max_len={spec.max_len}")
+    if len(prompt_ids) + max_new_tokens + spec.step_slots > spec.max_len:
+        raise ValueError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens + a step's "
+                         f"{spec.step_slots} slots exceed max_len={spec.max_len}")
     state: SpecState | None = None
 
     def first() -> int:
@@ -296,7 +299,8 @@ def eagle_generate(target: Llama | DeviceSteps, head: EagleHead, prompt_ids: Seq
     """`tree_generate` with a speculator built for this call (`branches=1`: a chain of `depth`
     drafts; a `budget`: the dynamic tree); `max_len` (the caches' slots) defaults to a power of
     two >= 256 that fits. One call, one compilation: to generate more than once, keep a `TreeSpeculator`."""
-    need = len(prompt_ids) + max_new_tokens + TreeShape(branches, depth, budget).num_nodes
+    shape = TreeShape(branches, depth, budget)
+    need = len(prompt_ids) + max_new_tokens + max(shape.num_nodes, shape.head_rows)
     spec = TreeSpeculator(target, head, branches, depth, max_len or next_power_of_two(need, 256),
                           budget)
     return tree_generate(spec, prompt_ids, max_new_tokens, sampling, eos_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import types
 import weakref
 from typing import Callable
 
@@ -290,6 +291,21 @@ def test_a_step_past_max_len_raises(speculators) -> None:
     with pytest.raises(ValueError, match="parents must be"):
         spec.verify(state, np.zeros(spec.num_nodes), np.r_[-1, 2, np.zeros(13, int)])
     spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
+
+
+def test_a_wide_dynamic_tree_needs_room_for_the_heads_rows(tiny, device_steps) -> None:
+    """A 3x4/4 dynamic tree verifies 5 nodes but its head writes 9 rows (3 per level above the
+    last) from the same slot: the room checks count the 9, not the 5. Host checks only: nothing
+    here compiles."""
+    spec = TreeSpeculator(device_steps("random"), tiny[1], 3, 4, MAX_LEN, budget=4)
+    assert (spec.num_nodes, spec.shape.head_rows, spec.step_slots) == (5, 9, 9)
+    near_end = MAX_LEN - 8  # room for the 5 nodes, not for the 9 head rows
+    with pytest.raises(ValueError, match=rf"slots \[{near_end}, {MAX_LEN + 1}\)"):
+        spec.draft(types.SimpleNamespace(length=np.int32(near_end)))
+    with pytest.raises(ValueError, match="does not fit"):
+        spec.prefill(list(range(near_end)))
+    with pytest.raises(ValueError, match="9 slots exceed"):
+        tree_generate(spec, PROMPT, near_end - len(PROMPT))
 
 
 def test_smollm2_greedy_tree_and_chain_equal_plain_greedy(smollm2_4_layers) -> None:
