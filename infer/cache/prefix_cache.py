@@ -121,8 +121,12 @@ class PrefixCache:
 
     def _matched(self, token_ids: Sequence[int]) -> list[_Node]:
         """The nodes of the longest cached page-aligned prefix of `token_ids`, root excluded."""
+        return self._path(self._keys(token_ids))
+
+    def _path(self, keys: Sequence[tuple[int, ...]]) -> list[_Node]:
+        """The nodes along `keys` (pages of tokens) from the root, as far as the tree has them."""
         node, nodes = self._root, []
-        for key in self._keys(token_ids):
+        for key in keys:
             node = node.children.get(key)
             if node is None:
                 break
@@ -141,14 +145,10 @@ class PrefixCache:
         keys = self._keys(token_ids)
         if len(pages) < len(keys):
             raise ValueError(f"{len(keys)} full pages of tokens but only {len(pages)} pages")
-        self._clock += 1
-        self._stats["inserts"] += 1
-        node, i = self._root, 0
-        while i < len(keys) and keys[i] in node.children:
-            node = node.children[keys[i]]
-            node.last_used = self._clock
-            i += 1
+        path = self._path(keys)
+        node, i = (path[-1] if path else self._root), len(path)
         new = [int(p) for p in pages[i:len(keys)]]
+        # Checked before anything changes: a refused insert leaves stats and recency alone.
         for p in new:
             if self.allocator.refcount(p) < 1:
                 raise ValueError(f"page {p} is free: only pages the caller holds can be cached")
@@ -156,6 +156,10 @@ class PrefixCache:
                 raise ValueError(f"page {p} is already cached under other tokens")
         if len(set(new)) != len(new):
             raise ValueError(f"pages {new} repeat")
+        self._clock += 1
+        self._stats["inserts"] += 1
+        for matched in path:
+            matched.last_used = self._clock
         if self.max_pages is not None:
             over = len(self._nodes) + len(new) - self.max_pages
             if over > 0:

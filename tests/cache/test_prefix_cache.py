@@ -244,6 +244,7 @@ def test_insert_rejects_bad_pages_and_changes_nothing():
     cache = PrefixCache(alloc)
     seq = prefill(alloc, cache, [1, 2, 3, 4])  # pages 0, 1 cached
     before = (cached(cache), [alloc.refcount(p) for p in range(8)])
+    stats_before = cache.stats()
     with pytest.raises(ValueError, match="only 1 pages"):
         cache.insert([5, 6, 7, 8], [2])
     with pytest.raises(ValueError, match="free"):
@@ -255,8 +256,24 @@ def test_insert_rejects_bad_pages_and_changes_nothing():
         cache.insert([5, 6, 7, 8], [p, p])
     alloc.decref([p])
     assert (cached(cache), [alloc.refcount(p) for p in range(8)]) == before
+    assert cache.stats() == stats_before
     cache.check_invariants()
     alloc.release(seq)
+
+
+def test_a_refused_insert_leaves_recency_alone():
+    """A refused insert along a cached path must not make that path the most recently used:
+    eviction still takes the least recently used leaf."""
+    alloc = PageAllocator(8, 2)
+    cache = PrefixCache(alloc)
+    old, recent = prefill(alloc, cache, [1, 2]), prefill(alloc, cache, [3, 4])
+    old_pages, recent_pages = list(old.pages), list(recent.pages)
+    alloc.release(old)
+    alloc.release(recent)
+    with pytest.raises(ValueError, match="free"):
+        cache.insert([1, 2, 5, 6], old_pages + [7])  # walks [1, 2], then refuses page 7
+    assert cache.evict(1) == 1
+    assert cache.match([1, 2]) == [] and cache.match([3, 4]) == recent_pages
 
 
 def test_numpy_token_ids():
