@@ -163,7 +163,8 @@ def analytic_row(model: str, tensor_parallel: int, data_parallel: int, kv_format
                  context: int, batch: int) -> dict[str, Any]:
     """One analytic point; a TP that cannot be laid out gets its reason in `status` and no
     figures."""
-    from infer.cache.budget import GB, MemoryBudget, kv_format_name, memory_budget
+    from infer.cache.budget import (GB, MemoryBudget, kv_bytes_per_sequence, kv_format_name,
+                                    memory_budget)
 
     config = model_config(model)
     fmt = kv_format_name(kv_format)
@@ -176,9 +177,11 @@ def analytic_row(model: str, tensor_parallel: int, data_parallel: int, kv_format
     w_dev = weight_bytes_per_device(wide, t, weight_dtype)
     kv_dev = kv_bytes_per_token_per_device(wide, t, fmt)
     gpu = gpu_memory_gb * GB
-    # MemoryBudget's arithmetic on one device: its share of the weights, of each token's KV.
+    # MemoryBudget's arithmetic on one device: its share of the weights, of each token's KV and
+    # of what each sequence holds beside its pages (int4_kivi's window, split by KV head).
     device = MemoryBudget(model=model, kv_format=fmt, gpu_memory_bytes=gpu, weight_bytes=w_dev,
-                          overhead_bytes=overhead_fraction * gpu, kv_bytes_per_token=kv_dev)
+                          overhead_bytes=overhead_fraction * gpu, kv_bytes_per_token=kv_dev,
+                          kv_bytes_per_sequence=kv_bytes_per_sequence(wide, fmt) // t)
     whole = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=t,
                           weight_dtype=weight_dtype, kv_format=fmt,
                           overhead_fraction=overhead_fraction)

@@ -41,7 +41,9 @@ def kv_bytes_per_token(config: LlamaConfig, kv_format: str = "bfloat16",
 
 
 def _bits(name: str) -> int:
-    return 4 if name == "int4" else jnp.dtype(name).itemsize * 8
+    """Bits per element: a sub-byte dtype (int4, float4) has an itemsize of 1 in numpy."""
+    dtype = jnp.dtype(name)
+    return (jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)).bits
 
 
 def gqa_saving(config: LlamaConfig) -> float:
@@ -50,7 +52,8 @@ def gqa_saving(config: LlamaConfig) -> float:
 
 
 def weight_bytes(config: LlamaConfig, weight_dtype: str = "bfloat16") -> int:
-    return config.num_params * jnp.dtype(KV_FORMAT_ALIASES.get(weight_dtype, weight_dtype)).itemsize
+    bits = _bits(KV_FORMAT_ALIASES.get(weight_dtype, weight_dtype))
+    return -(-config.num_params * bits // 8)
 
 
 @dataclasses.dataclass(frozen=True)

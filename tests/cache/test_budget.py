@@ -42,6 +42,7 @@ def test_memory_budget_arithmetic_on_a_tiny_model():
     params = 512 * 64 + 2 * (64 * 16 * 12 + 3 * 64 * 128 + 2 * 64) + 64
     assert params == 106_816
     assert weight_bytes(config, "float32") == 4 * params
+    assert weight_bytes(config, "int4") == params // 2  # two to a byte, not one
     b = memory_budget(config, gpu_memory_gb=0.25, num_gpus=2, weight_dtype="float32",
                       kv_format="float16", overhead_fraction=0.1)
     total = 2 * 0.25e9  # 500,000,000 bytes

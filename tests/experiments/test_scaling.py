@@ -66,6 +66,16 @@ def test_kv_per_device_and_users(result):
     assert no_room["max_users"] == 0 and no_room["status"].startswith("weights do not fit")
 
 
+def test_a_kivi_window_counts_on_each_device() -> None:
+    """int4_kivi holds a bfloat16 window per sequence beside its pages; a split layout's device
+    holds its heads' share of it, so both views again give the same users."""
+    row = scaling.analytic_row("llama-3-70b", 4, 1, "int4_kivi", weight_dtype="bfloat16",
+                               gpu_memory_gb=80.0, overhead_fraction=0.1, context=4096,
+                               batch=64)
+    assert row["layout"] == "split" and row["max_users_per_replica"] > 0
+    assert row["max_users_per_replica"] == row["budget_py_users_per_replica"]
+
+
 def test_padding_costs_kv_memory_that_budget_py_does_not_see(result):
     rows, _, _ = result
     smol = get_config("smollm2-135m")
