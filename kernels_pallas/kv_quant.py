@@ -207,16 +207,22 @@ def dequantize_planes(data: jax.Array, scales: jax.Array | None, kv_format: str)
     return int4_planes(data, scales[..., :n_groups], scales[..., n_groups:])
 
 
-def int4_planes(data: jax.Array, group_scales: jax.Array, group_lows: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
+def int4_planes(data: jax.Array, group_scales: jax.Array, group_lows: jax.Array,
+                half: int | None = None) -> tuple[jax.Array, jax.Array]:
     """int4 data [..., D/2] with its groups' scales and lows [..., n_groups] -> the (even, odd)
     float32 planes of `dequantize_planes`. Scales and lows come apart so that a kernel can load
-    each as its own block: slicing one loaded array has no Triton lowering."""
+    each as its own block: slicing one loaded array has no Triton lowering.
+
+    `half`: packed columns per group (group // 2), by default D/2 // n_groups. A kernel whose
+    data block is padded past D/2 (the GPU kernel's power-of-two width) must pass it: the
+    padded width would stretch the groups (D=96: 64 // 3 = 21 columns instead of 16). Padding
+    columns then fall in no group and come out 0."""
     d = data.astype(jnp.int32)
     lo = (d & 0xF).astype(jnp.float32)
     hi = ((d >> 4) & 0xF).astype(jnp.float32)
     n_groups = group_scales.shape[-1]
-    half = data.shape[-1] // n_groups  # packed columns per group: group // 2
+    if half is None:
+        half = data.shape[-1] // n_groups
     # Expand per-group values [..., n_groups] to one per packed column with a one-hot
     # select-and-sum (where, not multiply, so a NaN in another group cannot leak in): no reshape.
     col_group = jax.lax.broadcasted_iota(jnp.int32, (n_groups, data.shape[-1]), 1) // half

@@ -59,10 +59,12 @@ def _gpu_kernel(lengths_ref, q_lens_ref, pt_ref, *refs, kv_format, n_planes, r, 
         def load(data_ref, scale_ref):
             data = _load_columns(data_ref, page, h, Dp)
             if kv_format == "int4":
-                # Scales and lows as two loads: Triton cannot slice a loaded block.
+                # Scales and lows as two loads: Triton cannot slice a loaded block. Groups
+                # span the stored columns, not the padded width the data was loaded at.
                 n = scale_ref.shape[-1] // 2
                 return int4_planes(data, scale_ref[page, h, :, pl.ds(0, n)],
-                                   scale_ref[page, h, :, pl.ds(n, n)])
+                                   scale_ref[page, h, :, pl.ds(n, n)],
+                                   half=data_ref.shape[-1] // n)
             scales = None if scale_ref is None else scale_ref[page, h, :, :]
             return dequantize_planes(data, scales, kv_format)
 

@@ -59,6 +59,22 @@ def test_page_sizes(page_size: int) -> None:
         lowering.lower("cuda", "bfloat16", kind, geometry, page_size=page_size)
 
 
+@pytest.mark.parametrize("platform", lowering.PLATFORMS)
+def test_int4_head_dim_96(platform: str) -> None:
+    """int4 at D = 96 (Phi-3-mini): 3 groups of 32. Mosaic lowers it; the GPU kernel loads a
+    page's group scales as one [G, groups] block, which Triton cannot lower for 3 groups, so the
+    entry points refuse it up front instead of failing inside Triton."""
+    geometry = lowering.Geometry("D96", num_heads=32, num_kv_heads=32, head_dim=96)
+    for kind in lowering.STEP_KINDS:
+        cell = lowering.lower_cell(platform, "int4", kind, geometry)
+        if platform == "tpu":
+            assert cell.outcome == "lowers", cell
+        else:
+            assert cell.outcome == "refused", cell
+            assert "power-of-two number of int4 groups, got 3" in cell.detail, cell
+            assert "D=96" in cell.detail, cell
+
+
 def test_unknown_platform() -> None:
     with pytest.raises(ValueError, match="platform must be one of"):
         lowering.lower("rocm", "float32", lowering.STEP_KINDS[0], lowering.GEOMETRIES[0])

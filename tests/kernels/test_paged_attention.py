@@ -23,6 +23,8 @@ from kernels_pallas.paged_attention import (paged_attention, paged_attention_ref
                                             paged_prefill_attention_reference,
                                             ragged_paged_attention,
                                             ragged_paged_attention_reference)
+from kernels_pallas.paged_attention import api as paged_api
+from kernels_pallas.paged_attention.api import UnsupportedKernelConfig
 from tests.kernels.numpy_kv import (STORAGE_DTYPES, dequantize_np, int4_round_trip_bound,
                                     quantize_int8_np)
 
@@ -182,16 +184,30 @@ class TestPagedKernels:
                 assert np.all(out[b, n:] == 0), "padding query rows must be zero"
 
     @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-    @pytest.mark.parametrize("kv_format", ["float32", "int8"])
-    def test_head_dim_not_a_power_of_two(self, interpret, backend, kv_format):
-        """D = 80 (Phi-2): the GPU kernel pads to 128 columns with masked loads."""
+    @pytest.mark.parametrize("kv_format, d", [("float32", 80), ("int8", 80), ("int4", 96)])
+    def test_head_dim_not_a_power_of_two(self, interpret, backend, kv_format, d, monkeypatch):
+        """D = 80 (Phi-2): the GPU kernel pads to 128 columns with masked loads. int4 needs
+        groups of 32, so D = 96: 48 packed columns padded to 64, in 3 groups of 16. Triton cannot
+        lower 3 groups' scales, so the GPU entry points refuse it; the kernel's own math is still
+        checked in the interpreter, past the refusal (groups must not stretch over the padding)."""
         backend = backend_or_skip(backend, interpret)
-        G, d, lengths = 8, 80, [1, 8, 17]
+        G, lengths = 8, [1, 8, 17]
         k, v, ks, vs, table = make_cache(40, kv_format, lengths, G, MAX_PAGES, head_dim=d)
         rng = np.random.default_rng(41)
         lens, q_lens = jnp.asarray(lengths, jnp.int32), jnp.asarray([1, 3, 2], jnp.int32)
         kw = dict(k_scales=ks, v_scales=vs, kv_format=kv_format)
         q = jnp.asarray(rng.standard_normal((3, 3, K * 2, d)), jnp.float32)
+        if backend == "gpu" and kv_format == "int4":
+            for call in (lambda: paged_attention(q[:, 0], k, v, lens, table, **kw, backend=backend,
+                                                 interpret=interpret),
+                         lambda: paged_prefill_attention(q, k, v, lens, q_lens, table, **kw,
+                                                         backend=backend, interpret=interpret)):
+                with pytest.raises(UnsupportedKernelConfig,
+                                   match="power-of-two number of int4 groups, got 3 .*D=96"):
+                    call()
+            if not interpret:
+                return
+            monkeypatch.setattr(paged_api, "_check_backend_limits", lambda *args: None)
         out = paged_prefill_attention(q, k, v, lens, q_lens, table, **kw, backend=backend,
                                       interpret=interpret)
         ref = paged_prefill_attention_reference(q, k, v, lens, q_lens, table, **kw)
