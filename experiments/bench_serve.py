@@ -21,14 +21,16 @@ vocabulary, decoded and re-encoded to the length), `ignore_eos` so every server 
 same tokens; arrivals with gamma gaps of shape --burstiness (1: Poisson) rescaled so the last
 arrival is at num_prompts / rate (rate inf: all at once); --seed fixes both. The realised
 schedule (offsets, prompts, output lengths) is saved in each row; --replay=ROWS.jsonl sends a
-saved one again, to another server.
+saved one again, to another server (its rows keep the saved row's workload fields and name where
+it came from, `replayed_from`).
 
 --servers: `infer` starts `python -m infer.serve` (waits for /health, i.e. warm-up), `llamaserver`
 llama.cpp's `llama-server` on the same GGUF in the same dtype (see experiments/serve.py for the
 build), `url=http://host:port` a server already running, and `inprocess` feeds the same schedule
 to the same engine in this process with no HTTP (experiments.serve's loop, latencies from each
-scheduled arrival): the difference is what the HTTP layer costs. One row per server is appended to
-results/bench_serve.jsonl (--out) with vLLM's result keys.
+scheduled arrival, or from its release under --max_concurrency): the difference is what the HTTP
+layer costs. One row per server is appended to results/bench_serve.jsonl (--out) with vLLM's
+result keys.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ flags.DEFINE_integer("random_input_len", 64, "prompt tokens (mean)", flag_values
 flags.DEFINE_integer("random_output_len", 32, "output tokens (mean)", flag_values=FLAGS)
 flags.DEFINE_float("random_range_ratio", 0.0, "lengths uniform in L(1 -+ r)", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "dataset and arrival seed", flag_values=FLAGS)
-flags.DEFINE_string("replay", None, "a bench_serve JSONL: send its first row's schedule again",
+flags.DEFINE_string("replay", None, "a bench_serve JSONL: send its first row's schedule again "
+                    "(the workload flags are then unused: the rows take the saved row's)",
                     flag_values=FLAGS)
 flags.DEFINE_list("metric_percentiles", ["50", "90", "99"], "percentiles reported",
                   flag_values=FLAGS)
@@ -251,11 +254,16 @@ def summarize(results: Sequence[Measured], duration_s: float, percentiles: Seque
         row[f"std_{name}_ms"] = float(ms.std()) if ms.size else None
         for p in percentiles:
             row[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
+    # One entry per request in every array, in schedule order, so that index i is request i
+    # throughout (as vLLM's); a failed request's ttft and latency are 0, as vLLM's defaults,
+    # and its `errors` entry is non-empty ("" for a request that succeeded).
     row.update(input_lens=[m.prompt_tokens for m in results],
-               output_lens=[m.output_tokens for m in results], ttfts=ttft,
-               itls=[m.itl_s for m in results], latencies=e2el,
+               output_lens=[m.output_tokens for m in results],
+               ttfts=[m.ttft_s if m.ok else 0.0 for m in results],
+               itls=[m.itl_s for m in results],
+               latencies=[m.latency_s if m.ok else 0.0 for m in results],
                start_times=[m.start_s for m in results],
-               errors=[m.error for m in results if not m.ok])
+               errors=[m.error if not m.ok else "" for m in results])
     return row
 
 
@@ -297,10 +305,11 @@ def launched(server: str, model: str, dtype: str, max_num_seqs: int, max_model_l
 
 
 def in_process(items: Sequence[Scheduled], model: str, dtype: str, max_num_seqs: int,
-               max_model_len: int, max_prefill_tokens: int, parallel: dict[str, Any]
-               ) -> tuple[list[Measured], float]:
+               max_model_len: int, max_prefill_tokens: int, parallel: dict[str, Any],
+               max_concurrency: int | None = None) -> tuple[list[Measured], float]:
     """The same schedule fed straight to the engine in this process (experiments.serve's loop,
-    warmed up first), measured from each request's scheduled arrival: what HTTP costs."""
+    warmed up first), measured from each request's scheduled arrival, or from its release under
+    `max_concurrency`: what HTTP costs."""
     from experiments.serve import WorkItem, serve_infer
     from infer import LLM
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -309,10 +318,10 @@ def in_process(items: Sequence[Scheduled], model: str, dtype: str, max_num_seqs:
     work = [WorkItem(i.offset_s, tuple(llm.tokenizer.encode(i.prompt)), i.output_len)
             for i in items]
     serve_infer(llm.engine, work[:1], "untimed first request")  # as the HTTP client does
-    metrics, _, start, wall = serve_infer(llm.engine, work, "in process")
+    metrics, _, _, wall = serve_infer(llm.engine, work, "in process", max_concurrency)
     return [Measured(ok=True, ttft_s=m.ttft_s, latency_s=m.e2e_s, itl_s=list(m.itl_s),
                      output_tokens=m.num_output_tokens, prompt_tokens=m.num_prompt_tokens,
-                     start_s=start + i.offset_s) for m, i in zip(metrics, items)], wall
+                     start_s=m.arrival_s) for m in metrics], wall
 
 
 def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
@@ -340,10 +349,24 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
     if "llamaserver" in servers and not llama_server_usable(
             llama_server, llama_server_gguf_path(_gguf(model), dtype), "bench_serve"):
         servers = [s for s in servers if s != "llamaserver"]
+    workload: dict[str, Any] = dict(
+        model=model, request_rate=request_rate, burstiness=burstiness,
+        random_input_len=random_input_len, random_output_len=random_output_len,
+        random_range_ratio=random_range_ratio, seed=seed, replayed_from=None)
     if replay:
         with open(replay) as fh:
             saved = json.loads(fh.readline())
         items = [Scheduled(**s) for s in saved["schedule"]]
+        # The prompts and their lengths are the saved model's tokenizer's: another model's row
+        # would label a workload it was not made for.
+        if (saved.get("model") or model) != model:
+            raise ValueError(f"--replay={replay} holds a schedule made for model "
+                             f"{saved['model']!r}, not {model!r}: pass --model={saved['model']}")
+        # The row describes the schedule it sent, not the flags, which made none of it; a field
+        # the saved row lacks is unknown (None).
+        workload.update({k: saved.get(k) for k in workload if k != "model"}, replayed_from={
+            "path": os.path.abspath(replay), "server": saved.get("server"),
+            "time": (saved.get("environment") or {}).get("time")})
     else:
         from infer.io.loader import load_on_host
         items = schedule(load_on_host(model)[2], num_prompts, random_input_len,
@@ -352,7 +375,7 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
     for server in servers:
         if server == "inprocess":
             results, duration = in_process(items, model, dtype, max_num_seqs, max_model_len,
-                                           max_prefill_tokens, parallel)
+                                           max_prefill_tokens, parallel, max_concurrency)
         else:
             with launched(server, model, dtype, max_num_seqs, max_model_len,
                           max_prefill_tokens, llama_server, parallel) as (url, served):
@@ -360,11 +383,9 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
                 asyncio.run(run_schedule(url, served, items[:1], progress=False))
                 results, duration = asyncio.run(run_schedule(url, served, items,
                                                              max_concurrency))
-        row = {"server": server, "model": model, "dtype": dtype, "num_prompts": len(items),
-               "request_rate": request_rate, "burstiness": burstiness,
-               "max_concurrency": max_concurrency, "random_input_len": random_input_len,
-               "random_output_len": random_output_len, "random_range_ratio": random_range_ratio,
-               "seed": seed, "max_num_seqs": max_num_seqs, "goodput_slo_ms": slos,
+        row = {"server": server, "dtype": dtype, "num_prompts": len(items), **workload,
+               "max_concurrency": max_concurrency, "max_num_seqs": max_num_seqs,
+               "goodput_slo_ms": slos,
                # infer's devices; llama-server and a url= server run as they were started.
                **(parallel if server in ("infer", "inprocess") else {}),
                **summarize(results, duration, [float(p) for p in metric_percentiles], slos),

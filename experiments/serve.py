@@ -100,35 +100,49 @@ def make_workload(ids: Sequence[int], *, num_requests: int, rate: float, prompt_
             for a, s, n, o in zip(arrivals, starts, lengths, outputs)]
 
 
-def serve_infer(engine, work: list[WorkItem], desc: str):
-    """Feeds the workload to the engine in real time; returns (metrics, step records, wall s)."""
+def serve_infer(engine, work: list[WorkItem], desc: str, max_concurrency: int | None = None):
+    """Feeds the workload to the engine in real time; returns (metrics, step records, start
+    perf_counter, wall s). With `max_concurrency`, at most that many requests are unfinished: one
+    that arrives while that many are holds back, in arrival order, and its clock (arrival_s, which
+    TTFT and E2EL count from) starts at its release, as an HTTP client's does after its
+    semaphore."""
     from tqdm import tqdm
 
     from infer.sampling_params import SamplingParams
 
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    cap = len(work) if max_concurrency is None else max_concurrency
     pending = collections.deque(work)
     ids, finished = [], {}
+    freed: list[float] = []  # when each finished request gave its place up, in finishing order
     bar = tqdm(total=len(work), desc=desc, leave=False)
     start = time.perf_counter()
     first_step = engine.num_steps
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
-        while pending and pending[0].arrival_s <= now:
+        while pending and pending[0].arrival_s <= now and len(ids) - len(finished) < cap:
             item = pending.popleft()
+            # In arrival order, request i gets the place the (i - cap)-th to finish gave up.
+            place = freed[len(ids) - cap] if len(ids) >= cap else start
             ids.append(engine.add_request(
-                prompt_token_ids=list(item.prompt_ids), arrival_s=start + item.arrival_s,
+                prompt_token_ids=list(item.prompt_ids),
+                arrival_s=max(start + item.arrival_s, place),
                 # Only finished outputs are read (their metrics hold every token's time).
                 params=SamplingParams(max_tokens=item.output_len, ignore_eos=True,
                                       output_kind="final")))
-        engine.scheduler.draining = not pending
+        full = len(ids) - len(finished) >= cap
+        # A static batch waits for more requests: none comes after the last, nor while full.
+        engine.scheduler.draining = not pending or full
         idle = True
         if engine.has_unfinished():
             for out in engine.step():
                 if out.finished:  # the engine forgets a finished request: keep its output now
                     finished[out.request_id] = out
+                    freed.append(time.perf_counter())
                     bar.update(1)
             idle = engine.records[-1].kind == "idle"
-        if idle and pending:  # a static batch waits, or nothing runs: sleep to the next arrival
+        if idle and pending and not full:  # a static batch waits, or nothing runs: sleep
             time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
     wall = time.perf_counter() - start
     bar.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
+import types
 
 import numpy as np
 import pytest
@@ -50,7 +52,7 @@ def test_summary_uses_vllms_definitions() -> None:
     c = Measured(ok=False, error="HTTP 500")
     row = bench_serve.summarize([a, b, c], duration_s=4.0, percentiles=[50, 99],
                                 goodput_ms={"ttft": 1000, "tpot": 600})
-    assert row["completed"] == 2 and row["failed"] == 1 and row["errors"] == ["HTTP 500"]
+    assert row["completed"] == 2 and row["failed"] == 1 and row["errors"] == ["", "", "HTTP 500"]
     assert row["request_throughput"] == 0.5 and row["output_throughput"] == 6 / 4
     assert row["total_token_throughput"] == 23 / 4
     assert row["mean_tpot_ms"] == pytest.approx(500.0)  # (2.5 - 0.5) / (5 - 1); b has one token
@@ -58,6 +60,128 @@ def test_summary_uses_vllms_definitions() -> None:
     assert row["mean_itl_ms"] == pytest.approx(2000 / 3)  # pooled gaps
     assert row["p99_e2el_ms"] == pytest.approx(np.percentile([2500, 2000], 99))
     assert row["request_goodput"] == 0.25  # b misses the TTFT SLO
+
+
+def test_per_request_arrays_line_up_when_a_request_fails() -> None:
+    """Index i of every per-request array is request i (vLLM's layout): a failed request in the
+    middle holds its place with ttft and latency 0, and the statistics leave it out."""
+    a = Measured(ok=True, ttft_s=0.5, latency_s=2.5, itl_s=[0.5, 0.5, 1.0], output_tokens=5,
+                 prompt_tokens=10, start_s=0.0)
+    c = Measured(ok=False, ttft_s=0.25, itl_s=[0.1], start_s=0.5, error="HTTP 500")
+    b = Measured(ok=True, ttft_s=2.0, latency_s=3.0, itl_s=[1.0], output_tokens=2,
+                 prompt_tokens=7, start_s=1.0)
+    row = bench_serve.summarize([a, c, b], duration_s=4.0, percentiles=[50], goodput_ms={})
+    arrays = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors")
+    assert {k: len(row[k]) for k in arrays} == dict.fromkeys(arrays, 3)
+    assert row["ttfts"] == [0.5, 0.0, 2.0] and row["latencies"] == [2.5, 0.0, 3.0]
+    assert row["start_times"] == [0.0, 0.5, 1.0] and row["errors"] == ["", "HTTP 500", ""]
+    assert row["median_ttft_ms"] == pytest.approx(1250.0)  # a and b only
+    assert row["mean_e2el_ms"] == pytest.approx(2750.0)
+    assert row["mean_itl_ms"] == pytest.approx(3000 / 4)
+
+
+def _replayed(tmp_path, saved: dict) -> str:
+    path = tmp_path / "saved.jsonl"
+    path.write_text(json.dumps(saved) + "\n" + json.dumps({"schedule": []}) + "\n")
+    return str(path)
+
+
+def test_a_replayed_row_describes_the_schedule_it_sent(tmp_path, monkeypatch) -> None:
+    """Under --replay the workload fields are the saved row's, whatever the flags say, and the
+    row names where its schedule came from; a model other than the schedule's is refused."""
+    workload = dict(model="smollm2-4l", request_rate=16.0, burstiness=0.5, random_input_len=128,
+                    random_output_len=64, random_range_ratio=0.25, seed=7)
+    schedule = [dict(offset_s=0.0625 * (i + 1), prompt="x" * 10, prompt_len=128, output_len=64)
+                for i in range(4)]
+    path = _replayed(tmp_path, {"server": "infer", **workload, "schedule": schedule,
+                                "environment": {"time": "2026-01-01T00:00:00+00:00"}})
+
+    async def served(url, model, items, max_concurrency=None, progress=True):
+        return [Measured(ok=True, ttft_s=0.1, latency_s=0.5, itl_s=[0.1] * 3, output_tokens=4,
+                         prompt_tokens=128, start_s=0.0) for _ in items], 1.0
+
+    monkeypatch.setattr(bench_serve, "run_schedule", served)
+    monkeypatch.setattr(bench_serve, "environment", dict)
+    row, = bench_serve.run(["url=http://127.0.0.1:1"], model="smollm2-4l", request_rate=4.0,
+                           burstiness=1.0, random_input_len=32, random_output_len=8,
+                           random_range_ratio=0.0, seed=0, replay=path, out="")
+    assert {k: row[k] for k in workload} == workload
+    assert row["num_prompts"] == 4 and row["schedule"] == schedule
+    assert row["replayed_from"] == {"path": path, "server": "infer",
+                                    "time": "2026-01-01T00:00:00+00:00"}
+    with pytest.raises(ValueError, match="smollm2-4l"):
+        bench_serve.run(["url=http://127.0.0.1:1"], model="smollm2-135m", replay=path, out="")
+
+
+class _Engine:
+    """An engine's loop surface (experiments.serve.serve_infer, with and without a cap): every
+    unfinished request gets a token each step and finishes after `steps` of them."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps, self.num_steps, self.records = steps, 0, []
+        self.scheduler = types.SimpleNamespace(draining=False)
+        self.running: dict[str, tuple[float, list[float], int]] = {}
+        self.arrivals: dict[str, float] = {}
+        self.finished_at: dict[str, float] = {}
+        self.most_unfinished = 0
+
+    def warmup(self, progress: bool = False) -> None:
+        pass
+
+    def add_request(self, *, prompt_token_ids, params, arrival_s):
+        rid = str(len(self.arrivals))
+        self.arrivals[rid] = arrival_s
+        self.running[rid] = (arrival_s, [], len(prompt_token_ids))
+        self.most_unfinished = max(self.most_unfinished, len(self.running))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list:
+        time.sleep(0.002)
+        self.num_steps += 1
+        self.records.append(types.SimpleNamespace(kind="decode"))
+        outs = []
+        for rid, (arrival, times, n) in list(self.running.items()):
+            times.append(time.perf_counter())
+            if len(times) == self.steps:
+                del self.running[rid]
+                self.finished_at[rid] = times[-1]
+                gaps = tuple(b - a for a, b in zip(times, times[1:]))
+                outs.append(types.SimpleNamespace(request_id=rid, finished=True, metrics=(
+                    types.SimpleNamespace(arrival_s=arrival, ttft_s=times[0] - arrival,
+                                          e2e_s=times[-1] - arrival,
+                                          itl_s=gaps, num_output_tokens=len(times),
+                                          num_prompt_tokens=n))))
+        return outs
+
+    def step_records(self, since: int = 0) -> list:
+        return []
+
+
+def test_inprocess_holds_requests_back_under_max_concurrency(tmp_path, monkeypatch) -> None:
+    """--max_concurrency caps the in-process engine's unfinished requests as it caps the HTTP
+    client's, and a held request's clock starts when it is released."""
+    import infer
+    engine = _Engine()
+    monkeypatch.setattr(infer, "LLM", lambda **_: types.SimpleNamespace(
+        engine=engine, tokenizer=types.SimpleNamespace(encode=lambda text: [1] * len(text))))
+    monkeypatch.setattr(bench_serve, "environment", dict)
+    schedule = [dict(offset_s=0.0, prompt="x" * (i + 1), prompt_len=i + 1, output_len=3)
+                for i in range(5)]
+    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    row, = bench_serve.run(["inprocess"], model="stub", replay=path, max_concurrency=2, out="")
+    assert engine.most_unfinished == 2 and row["completed"] == 5 and row["max_concurrency"] == 2
+    timed = list(engine.arrivals.values())[1:]  # after the untimed first request
+    finished = [engine.finished_at[rid] for rid in engine.arrivals][1:]
+    # The row's clocks are the engine's arrivals, i.e. the releases: each held request is
+    # released only once an earlier one has finished, not at the common scheduled arrival.
+    assert row["start_times"] == timed and timed == sorted(timed)
+    assert timed[2] >= min(finished[:2]) and timed[4] >= sorted(finished[:4])[2]
+    assert row["input_lens"] == [i + 1 for i in range(5)]
+    for ttft, latency, start, end in zip(row["ttfts"], row["latencies"], timed, finished):
+        assert 0 < ttft < latency == pytest.approx(end - start)
 
 
 def test_a_run_against_the_server_counts_what_it_served(running) -> None:
