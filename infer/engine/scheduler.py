@@ -195,7 +195,7 @@ class Scheduler:
                               + self.config.max_prefill_tokens)
             needed = -(-first_chunk // self.allocator.page_size) - len(cached)
             # The matched pages stop being evictable once this request holds them.
-            if needed > self._pages_available(pinned=cached):
+            if needed > self.pages_available(pinned=cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if self.prefix_cache is not None:
@@ -232,8 +232,10 @@ class Scheduler:
         request.num_cached_tokens = max(request.num_cached_tokens,
                                         min(seq.reused_tokens, len(request.prompt_token_ids)))
 
-    def _pages_available(self, pinned: Sequence[int] = ()) -> int:
-        """Free pages plus cached pages an allocation could evict, `pinned` ones excluded."""
+    def pages_available(self, pinned: Sequence[int] = ()) -> int:
+        """Free pages plus cached pages an allocation could evict, `pinned` ones excluded: what
+        admission can count on, and what a usage gauge should call free (vLLM's free queue
+        holds cached blocks that nobody references)."""
         if self.prefix_cache is None:
             return self.allocator.num_free()
         return self.allocator.num_free() + self.prefix_cache.num_evictable(pinned)

@@ -39,7 +39,8 @@ class ServerMetrics:
         self.running = make(Gauge, "vllm:num_requests_running", "requests holding a slot")
         self.waiting = make(Gauge, "vllm:num_requests_waiting", "requests queued for a slot")
         self.kv_usage = make(Gauge, "vllm:kv_cache_usage_perc",
-                             "fraction of KV cache pages in use (1 = full)")
+                             "fraction of KV cache pages in use (1 = full); pages only the "
+                             "prefix cache holds count as free, as they are evictable")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "prompt tokens of requests "
                                   "served (counted when they finish)")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "tokens generated")
@@ -111,7 +112,7 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(sum(len(r.scheduler.waiting) for r in replicas))
         pages = sum(r.allocator.num_pages for r in replicas)
-        self.kv_usage.set(1 - sum(r.allocator.num_free() for r in replicas) / pages)
+        self.kv_usage.set(1 - sum(r.scheduler.pages_available() for r in replicas) / pages)
         self.slot_utilization.set(running / sum(r.config.max_num_seqs for r in replicas))
 
     def exposition(self) -> bytes:
