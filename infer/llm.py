@@ -144,6 +144,13 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Each conversation rendered with the model's chat template and generated from; each
+        output's prompt is the rendered text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # The template writes the special tokens its format has (a BOS or none): nothing is
+        # added, as HF's apply_chat_template(tokenize=True) and vLLM's chat do.
+        ids = [self.tokenizer.encode(p, add_bos=False) for p in prompts]
+        outputs = self.generate(sampling_params=sampling_params, prompt_token_ids=ids,
+                                use_tqdm=use_tqdm)
+        return [dataclasses.replace(out, prompt=p) for out, p in zip(outputs, prompts)]

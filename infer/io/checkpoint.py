@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from infer.model.config import normalize_hf_config
+
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -244,8 +246,18 @@ def _gguf_config(reader: Any, vocab_size: int, has_output: bool, where: str) -> 
                          f"{head_dim}) is not supported")
     scaling = None
     kind = _meta(reader, "llama.rope.scaling.type", None)
+    factor = _meta(reader, "llama.rope.scaling.factor", None)
+    if factor is None:
+        factor = _meta(reader, "llama.rope.scale_linear", None)  # the factor's older key
+    # llama.cpp reads a factor without a type as linear scaling, and a factor of 0 or 1 as none:
+    # ignoring such a factor would run a scaled model unscaled.
+    if kind is None and factor is not None and float(factor) not in (0.0, 1.0):
+        kind = "linear"
     if kind not in (None, "none"):
-        scaling = {"rope_type": kind, "factor": _float32_value(_meta(reader, "llama.rope.scaling.factor"))}
+        if factor is None:
+            raise ValueError(f"{where}: GGUF RoPE scaling type {kind!r} comes without a factor "
+                             "(llama.rope.scaling.factor)")
+        scaling = {"rope_type": kind, "factor": _float32_value(factor)}
         original = _meta(reader, "llama.rope.scaling.original_context_length", None)
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
@@ -366,52 +378,35 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    model_type = raw.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (only llama)")
-    if raw.get("sliding_window") is not None and model_type == "mistral":
-        raise ValueError(f"{where}: sliding-window attention is not supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ValueError(f"{where}: {flag}=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-        if not isinstance(raw.get(key), int):
-            raise ValueError(f"{where}: config has no integer {key!r}")
-
-    # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
-    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    scaling = raw.get("rope_scaling")
-    if scaling is None and rope_params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.pop("type", None))
-
-    heads = raw["num_attention_heads"]
-    return {
-        "model_type": "llama",
-        "vocab_size": raw["vocab_size"],
-        "hidden_size": raw["hidden_size"],
-        "intermediate_size": raw["intermediate_size"],
-        "num_hidden_layers": raw["num_hidden_layers"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-        "head_dim": int(raw.get("head_dim") or raw["hidden_size"] // heads),
-        "rope_theta": float(theta),
-        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
-        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
-        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "rope_scaling": scaling,
-    }
+def _safetensors_files(path: str) -> list[str]:
+    """The shards of a HF directory: those its index names, else every *.safetensors."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index_path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"{path}: directory has no *.safetensors files")
+        return files
+    # Repositories ship other weight files beside the shards (Mistral's consolidated.safetensors,
+    # the same weights under other names): the index says which files are the model.
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index_path}: not a safetensors index (no weight_map of tensor "
+                         f"names to files): {e}") from e
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{index_path}: weight_map names no files")
+    files = [os.path.join(path, n) for n in names]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"{index_path}: names {missing[0]}, which does not exist")
+    return files
 
 
 def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
-    """Reads a HF Llama checkpoint directory: config.json and every *.safetensors shard."""
+    """Reads a HF Llama checkpoint directory: config.json and its *.safetensors shards (those
+    model.safetensors.index.json lists, when there is one)."""
     path = _require_path(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path}: expected a HF checkpoint directory (config.json + *.safetensors)")
@@ -425,11 +420,9 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
         raise ValueError(f"{config_path}: not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
-    config = _normalize_hf_config(raw, config_path)
+    config = normalize_hf_config(raw, config_path)
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path}: directory has no *.safetensors files")
+    files = _safetensors_files(path)
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         for name, w in _read_safetensors(file).items():

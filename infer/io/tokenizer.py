@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -57,15 +58,31 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    # jinja's own tojson HTML-escapes <, >, & and '; templates expect plain JSON, as in HF.
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes <, >, & and '; templates expect plain JSON, and may pass
+    # json.dumps' layout options, as HF's filter allows.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: training templates mark the assistant's text
+    with it (HF uses the mark for assistant masks); rendering a prompt just keeps the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -89,13 +106,17 @@ class Tokenizer:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_id: int | None,
                  eos_ids: Sequence[int], add_bos: bool, chat_template: str | None,
-                 unk_id: int | None = None, pad_id: int | None = None) -> None:
+                 unk_id: int | None = None, pad_id: int | None = None,
+                 model_vocab_size: int | None = None) -> None:
         self._tok = tokenizer
         self._bos_id = bos_id
         self._eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))  # ordered, no duplicates
         self._add_bos = add_bos
         self._chat_template = chat_template
         self._unk_id, self._pad_id = unk_id, pad_id
+        # Models often pad their embedding past the tokenizer's vocabulary (to a multiple of 64,
+        # say) and can sample those ids: they decode to nothing, as in HF, rather than fail.
+        self._num_ids = max(self.vocab_size, model_vocab_size or 0)
         self._special_ids = frozenset(
             i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special)
 
@@ -137,8 +158,11 @@ class Tokenizer:
                    chat_template=meta.chat_template, unk_id=meta.unk_id, pad_id=meta.pad_id)
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike[str]) -> "Tokenizer":
-        """From tokenizer.json, with tokenizer_config.json / generation_config.json if present."""
+    def from_hf_dir(cls, path: str | os.PathLike[str],
+                    model_vocab_size: int | None = None) -> "Tokenizer":
+        """From tokenizer.json, with tokenizer_config.json / generation_config.json if present.
+        `model_vocab_size`: the model's vocabulary, when larger than the tokenizer's (see
+        `decode`)."""
         path = os.fspath(path)
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
@@ -168,13 +192,15 @@ class Tokenizer:
             add_bos = bool(first) and first[0] == bos_id
         return cls(tok, bos_id=bos_id, eos_ids=eos, add_bos=bool(add_bos),
                    chat_template=_hf_chat_template(path, cfg),
-                   unk_id=token_id("unk_token"), pad_id=token_id("pad_token"))
+                   unk_id=token_id("unk_token"), pad_id=token_id("pad_token"),
+                   model_vocab_size=model_vocab_size)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint) -> "Tokenizer":
         source: TokenizerSource = checkpoint.tokenizer_source
         if isinstance(source, HFTokenizerDir):
-            return cls.from_hf_dir(source.path)
+            # A GGUF's vocabulary is its token list; a HF model's may be padded past it.
+            return cls.from_hf_dir(source.path, model_vocab_size=checkpoint.hf_config["vocab_size"])
         return cls.from_gguf(source)
 
     # -- properties ------------------------------------------------------------------------
@@ -231,8 +257,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`. Ids of the model's padded vocabulary (past the tokenizer's, when it
+        was built with a larger `model_vocab_size`) decode to ""; any other id outside the
+        vocabulary raises ValueError."""
         ids = [int(i) for i in ids]
-        n = self.vocab_size
+        n = self._num_ids
         if ids and not (0 <= min(ids) and max(ids) < n):  # two C loops: this runs per token
             bad = next(i for i in ids if not 0 <= i < n)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {n})")
@@ -251,7 +280,9 @@ class Tokenizer:
             return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
 
         return _compile_template(self._chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            # As HF passes them: templates with tool or document sections test these for none.
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt,
             bos_token=text(self._bos_id), eos_token=text(self._eos_ids[0] if self._eos_ids else None),
             unk_token=text(self._unk_id), pad_token=text(self._pad_id))
 

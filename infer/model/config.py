@@ -3,6 +3,9 @@
 Shapes of the presets come from the models' published `config.json` files. The Llama-3 presets
 use the Llama-3.1 release (same shapes as Llama-3, 128k context through RoPE scaling), since
 405B exists only there.
+
+A HF `config.json` reaches a config one way, `normalize_hf_config`, whether through the
+checkpoint readers or `LlamaConfig.from_hf_dict`: one set of defaults and refusals.
 """
 
 from __future__ import annotations
@@ -70,45 +73,96 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], name: str = "hf") -> "LlamaConfig":
-        """Builds a config from a HF `config.json` dictionary of a Llama-architecture model."""
-        scaling = hf.get("rope_scaling") or None
-        if scaling is None and isinstance(hf.get("rope_parameters"), Mapping):
-            params = hf["rope_parameters"]
-            scaling = params if params.get("rope_type", "default") != "default" else None
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None and isinstance(hf.get("rope_parameters"), Mapping):
-            rope_theta = hf["rope_parameters"].get("rope_theta")
+        """Builds a config from a HF `config.json` dictionary of a Llama-architecture model,
+        checked and defaulted as the loader does (`normalize_hf_config`)."""
+        return cls._from_normalized(normalize_hf_config(hf, name), name)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike[str]) -> "LlamaConfig":
+        with open(path) as f:
+            hf = normalize_hf_config(json.load(f), os.fspath(path))
+        return cls._from_normalized(hf, name=os.path.basename(os.path.dirname(path)))
+
+    @classmethod
+    def _from_normalized(cls, hf: Mapping[str, Any], name: str) -> "LlamaConfig":
+        scaling = hf["rope_scaling"]
         if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
+            kind = scaling.get("rope_type")
             if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3' is)")
+                raise ValueError(f"{name}: unsupported rope_scaling type {kind!r} "
+                                 "(only 'llama3' is)")
             scaling = RopeScaling(
                 factor=float(scaling["factor"]),
                 low_freq_factor=float(scaling["low_freq_factor"]),
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
             )
-        heads = int(hf["num_attention_heads"])
         return cls(
             name=name,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf["num_key_value_heads"],
+            head_dim=hf["head_dim"],
+            rope_theta=hf["rope_theta"],
             rope_scaling=scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rms_norm_eps=hf["rms_norm_eps"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=hf["tie_word_embeddings"],
         )
 
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike[str]) -> "LlamaConfig":
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), name=os.path.basename(os.path.dirname(path)))
+
+def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A HF Llama `config.json` dictionary in one form: what this model does not implement
+    refused, HF's defaults filled in, transformers 4 and 5 spellings of RoPE settings unified
+    (`rope_scaling` None or a dict with "rope_type"). Idempotent: a normalized dict is returned
+    unchanged, so every path into `LlamaConfig` can pass through it."""
+    model_type = raw.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (only llama)")
+    if raw.get("sliding_window") is not None and model_type == "mistral":
+        raise ValueError(f"{where}: sliding-window attention is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"{where}: {flag}=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if not isinstance(raw.get(key), int):
+            raise ValueError(f"{where}: config has no integer {key!r}")
+
+    # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling") or None
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", None))
+        # Older configs spell "no scaling" as an explicit type "default", which HF reads so.
+        if scaling["rope_type"] == "default":
+            scaling = None
+
+    heads = raw["num_attention_heads"]
+    return {
+        "model_type": "llama",
+        "vocab_size": raw["vocab_size"],
+        "hidden_size": raw["hidden_size"],
+        "intermediate_size": raw["intermediate_size"],
+        "num_hidden_layers": raw["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+        "head_dim": int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        "rope_theta": float(theta),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "rope_scaling": scaling,
+    }
 
 
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

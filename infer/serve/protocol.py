@@ -494,9 +494,9 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     text = served.tokenizer.apply_chat_template(
         chat_messages(body["messages"]),
         add_generation_prompt=_bool(body, "add_generation_prompt", True))
-    # As LLM.chat does: the rendered template is the prompt, encoded once (a template that
-    # writes BOS gets no second one).
-    prompt_ids = served.tokenizer.encode(text, add_bos=_add_special_tokens(body))
+    # As LLM.chat does: the rendered template is the prompt, its special tokens the template's
+    # own; vLLM's chat adds none unless add_special_tokens is true (and then no second BOS).
+    prompt_ids = served.tokenizer.encode(text, add_bos=bool(_add_special_tokens(body)))
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _int(body, name, None)

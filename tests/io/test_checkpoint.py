@@ -120,6 +120,80 @@ def test_hf_dir_sharded(tmp_path) -> None:
         np.testing.assert_array_equal(ckpt.tensors[name], w.numpy(), err_msg=name)
 
 
+def test_hf_dir_reads_only_the_indexed_shards(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    model = _tiny_llama(tmp_path, tied=False, max_shard_size="20KB")
+    index_path = tmp_path / "model.safetensors.index.json"
+    assert index_path.exists()
+    # Mistral repositories ship the weights again beside the shards, in their own names.
+    save_file({"tok_embeddings.weight": np.zeros((96, 32), np.float32)},
+              str(tmp_path / "consolidated.safetensors"))
+    ckpt = read_hf_dir(tmp_path)
+    assert set(ckpt.tensors) == set(model.state_dict())
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(ckpt.tensors[name], w.numpy(), err_msg=name)
+
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=r"names .*model-00009-of-00009\.safetensors"):
+        read_hf_dir(tmp_path)
+    index_path.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="not a safetensors index"):
+        read_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("scaling", [{"type": "default"}, {"rope_type": "default"}, {}])
+def test_hf_dir_default_rope_type_is_no_scaling(tmp_path, scaling: dict) -> None:
+    # transformers 4 configs spell "no scaling" so; HF reads them as plain RoPE.
+    _tiny_llama(tmp_path, tied=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config |= {"rope_theta": 5000.0, "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert hf.rope_parameters["rope_type"] == "default"
+    assert read_hf_dir(tmp_path).hf_config["rope_scaling"] is None
+    assert LlamaConfig.from_hf_dict(config).rope_scaling is None
+    assert LlamaConfig.from_json_file(tmp_path / "config.json").rope_theta == 5000.0
+
+
+def test_config_from_hf_dict_checked_as_loading_is(tmp_path) -> None:
+    """LlamaConfig's own HF readers default and refuse as read_hf_dir does: HF's eps when the
+    config names none, and no biases (which the model does not have)."""
+    _tiny_llama(tmp_path, tied=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rms_norm_eps")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    eps = transformers.AutoConfig.from_pretrained(tmp_path).rms_norm_eps
+    assert eps == read_hf_dir(tmp_path).hf_config["rms_norm_eps"]
+    assert LlamaConfig.from_hf_dict(config).rms_norm_eps == eps
+    assert LlamaConfig.from_json_file(tmp_path / "config.json").rms_norm_eps == eps
+    for flag in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ValueError, match=f"{flag}=true is not supported"):
+            LlamaConfig.from_hf_dict(config | {flag: True})
+        (tmp_path / "config.json").write_text(json.dumps(config | {flag: True}))
+        with pytest.raises(ValueError, match=f"config\\.json: {flag}=true is not supported"):
+            LlamaConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        LlamaConfig.from_hf_dict(config | {"hidden_act": "gelu"})
+
+
+def test_model_from_hf_tensors_refuses_unused_tensors(tmp_path) -> None:
+    from infer.io.hf_weights import model_from_hf_tensors
+
+    model = _tiny_llama(tmp_path, tied=False)
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()}
+    config = LlamaConfig.from_json_file(tmp_path / "config.json")
+    inv_freq = {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}
+    model_from_hf_tensors(config, tensors | inv_freq)  # follows from the config: not needed
+    bias = {"model.layers.1.self_attn.q_proj.bias": np.ones(32, np.float32)}
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.1\.self_attn\.q_proj"
+                                         r"\.bias' for a Llama model"):
+        model_from_hf_tensors(config, tensors | bias)
+
+
 def test_hf_dir_llama3_rope_scaling(tmp_path) -> None:
     _tiny_llama(tmp_path, tied=True)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -186,8 +260,9 @@ def test_gguf_truncated_in_tensor_data(tmp_path) -> None:
 
 
 def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = None,
-                     dtype=np.float32) -> None:
-    """Writes a tiny HF Llama as llama.cpp would: Q/K rows permuted, ggml names, llama.* keys."""
+                     dtype=np.float32, metadata: dict[str, float] | None = None) -> None:
+    """Writes a tiny HF Llama as llama.cpp would: Q/K rows permuted, ggml names, llama.* keys
+    (and the float `metadata` keys given)."""
     import gguf
 
     c = model.config
@@ -215,6 +290,8 @@ def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = Non
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_token_types([1] * c.vocab_size)
     writer.add_token_merges([])
+    for key, value in (metadata or {}).items():
+        writer.add_float32(key, value)
     tied = c.tie_word_embeddings
     for name, w in model.state_dict().items():
         if tied and name == "lm_head.weight":
@@ -248,6 +325,27 @@ def test_synthetic_gguf_round_trip(tmp_path, tied: bool, dtype) -> None:
         np.testing.assert_array_equal(w, expected[name], err_msg=name)
     assert ckpt.hf_config["tie_word_embeddings"] is tied
     assert ckpt.hf_config["head_dim"] == 8 and ckpt.hf_config["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
+def test_gguf_rope_factor_without_type_is_linear(tmp_path, key: str) -> None:
+    # llama.cpp runs such a file with linear scaling (its default type; scale_linear is the
+    # factor's older key): read as unscaled, the model would run but be wrong.
+    path = tmp_path / "linear.gguf"
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True), metadata={key: 4.0})
+    ckpt = read_gguf(path)
+    assert ckpt.hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'linear'"):
+        LlamaConfig.from_hf_dict(ckpt.hf_config)
+
+
+def test_gguf_rope_factor_one_is_no_scaling(tmp_path) -> None:
+    path = tmp_path / "unscaled.gguf"
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True),
+                     metadata={"llama.rope.scaling.factor": 1.0})
+    ckpt = read_gguf(path)
+    assert ckpt.hf_config["rope_scaling"] is None
+    assert LlamaConfig.from_hf_dict(ckpt.hf_config).rope_scaling is None
 
 
 def test_gguf_not_llama(tmp_path) -> None:

@@ -165,3 +165,102 @@ def test_from_hf_dir_matches_gguf(tok: Tokenizer, hf_tok, tmp_path) -> None:
 def test_from_hf_dir_without_tokenizer_json(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi <there> & 'you'"},
+            {"role": "assistant", "content": "Hello."}]
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ m | tojson(sort_keys=True) }}{% endfor %}",
+    "{% for m in messages %}{{ m | tojson(separators=(',', ':')) }}{% endfor %}",
+    "{{ messages | tojson(indent=2, ensure_ascii=True) }}",
+    # Training templates mark the assistant's text; a prompt keeps it as written.
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"
+    "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    # Mistral-style templates test the tool and document arguments HF passes (as none).
+    "{% if tools is not none %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {% for m in messages %}{{ m.content }}{% endfor %}[/INST]",
+    "{% if documents is not none %}<docs>{% endif %}{% for m in messages %}{{ m.content }}"
+    "{% endfor %}",
+])
+def test_chat_template_features_match_hf(tok: Tokenizer, hf_tok, template: str) -> None:
+    custom = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                       chat_template=template)
+    assert custom.apply_chat_template(MESSAGES, add_generation_prompt=False) == \
+        hf_tok.apply_chat_template(MESSAGES, chat_template=template, tokenize=False)
+
+
+def test_padded_model_vocabulary_decodes_to_nothing(hf_tok, tmp_path) -> None:
+    """A model whose embedding is padded past the tokenizer's vocabulary can sample the padded
+    ids: they decode to "" (as in HF), and only ids outside the model's vocabulary raise."""
+    from infer.io.checkpoint import Checkpoint, HFTokenizerDir
+
+    hf_tok.save_pretrained(tmp_path)
+    n = hf_tok.vocab_size
+    ckpt = Checkpoint(hf_config={"vocab_size": n + 64}, tensors={},
+                      tokenizer_source=HFTokenizerDir(str(tmp_path)))
+    padded = Tokenizer.from_checkpoint(ckpt)  # as the loader builds it
+    assert padded.vocab_size == n
+    ids = padded.encode("Hello world")
+    with_pad = [ids[0], n, *ids[1:], n + 63]
+    assert padded.decode(with_pad) == hf_tok.decode(with_pad) == "Hello world"
+    detok = IncrementalDetokenizer(padded)
+    for i in range(1, len(with_pad) + 1):
+        detok.step(with_pad[:i], final=i == len(with_pad))
+    assert detok.text == "Hello world"
+    for bad in (n + 64, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary "
+                                             rf"\[0, {n + 64}\)"):
+            padded.decode([bad])
+
+
+BOS_FREE_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bos_adding_dir(tmp_path_factory) -> str:
+    """A small byte-level tokenizer (ids within the tiny model's vocabulary) that adds BOS to
+    what it encodes, with a Zephyr-style chat template that writes none."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    path = tmp_path_factory.mktemp("bos_adding")
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "add_bos_token": True, "chat_template": BOS_FREE_TEMPLATE}))
+    return str(path)
+
+
+def test_chat_prompt_gets_no_bos_the_template_does_not_write(bos_adding_dir: str,
+                                                            tiny_model) -> None:
+    """HF's apply_chat_template(tokenize=True) and vLLM's chat add no special tokens to the
+    rendered template; neither does LLM.chat, though the tokenizer adds BOS to plain text."""
+    from infer.llm import LLM
+    from infer.sampling_params import SamplingParams
+
+    hf = transformers.AutoTokenizer.from_pretrained(bos_adding_dir)
+    ours = Tokenizer.from_hf_dir(bos_adding_dir)
+    assert ours.add_bos and ours.encode("hi") == hf.encode("hi") == [ours.bos_id] + hf.encode(
+        "hi", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hello"}]
+    want = list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                       return_dict=True)["input_ids"])
+    assert want[0] != ours.bos_id
+    llm = LLM.from_loaded(tiny_model.config, tiny_model, ours, max_num_seqs=1,
+                          max_model_len=64, page_size=4)
+    out = llm.chat(messages, SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == want
+    assert out.prompt == ours.apply_chat_template(messages)
