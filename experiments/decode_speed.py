@@ -65,8 +65,8 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     ceilings = functools.cache(measure_ceilings)  # measured in the run that needs them
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
 
-    def measure(b: int, generate) -> dict:
-        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, "float32")
+    def measure(b: int, generate, kv_dtype: str) -> dict:
+        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, kv_dtype)
         floor_s = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"]
         flops = 2 * config.num_params * b
         t_first, step_s = first_and_step_time(lambda n: generate(b, n), tokens, repeats)
@@ -75,13 +75,16 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
                 "fraction_of_floor": floor_s / step_s, "achieved_flops": flops / step_s,
                 "weight_bytes": weight_bytes, **ceilings()}
 
-    impls = [("infer", infer_generate)] + ([("hf", hf_generate)] if "hf" in peers else [])
+    # Each floor counts the KV its implementation reads: decode_stream's cache is float32
+    # whatever the weights' dtype, HF's cache takes the model's dtype.
+    impls = [("infer", infer_generate, "float32")] + (
+        [("hf", hf_generate, dtype)] if "hf" in peers else [])
     for b in tqdm(batch_sizes, desc="batch sizes"):
-        for name, generate in impls:
+        for name, generate, kv_dtype in impls:
             log.measure({"experiment": "decode_speed", "impl": name, "model": config.name,
                          "dtype": dtype, "batch": b, "prompt_len": prompt_len, "tokens": tokens,
                          "repeats": repeats},
-                        lambda b=b, generate=generate: measure(b, generate))
+                        lambda b=b, generate=generate, kv=kv_dtype: measure(b, generate, kv))
     rows = [dict(r) for r in log.rows()]
     for row in rows:
         peer = next((r for r in rows if r["impl"] == "hf" and r["batch"] == row["batch"]), None)

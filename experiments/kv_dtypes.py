@@ -91,6 +91,8 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
         raise ValueError(f"only {len(ids)} tokens of evaluation text")
     targets = np.asarray(ids[1:])
     log = ResultLog(out, resume=resume)
+    # int4_kivi's size depends on the page size: every row's figure is at the run's.
+    bytes_per_token = functools.partial(kv_bytes_per_token, config, page_size=page_size)
     # The float32 scoring every quality point compares against, computed once, when needed.
     reference = functools.cache(lambda: score_text(steps, config, ids, "float32", chunk,
                                                    page_size))
@@ -105,10 +107,8 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
             "kl_vs_float32": float(np.mean(np.sum(p_ref * (ref - logp), axis=-1))),
             "top1_agreement": float(np.mean(logp.argmax(-1) == ref.argmax(-1))),
             "perplexity": float(np.exp(-np.mean(logp[np.arange(len(targets)), targets]))),
-            "bytes_per_token": kv_bytes_per_token(config, kv_format, page_size=page_size),
-            "bytes_per_token_no_scales": kv_bytes_per_token(config, kv_format,
-                                                            include_scales=False,
-                                                            page_size=page_size),
+            "bytes_per_token": bytes_per_token(kv_format),
+            "bytes_per_token_no_scales": bytes_per_token(kv_format, include_scales=False),
             # Held per sequence beside the pages (int4_kivi's bfloat16 window).
             "bytes_per_sequence": kv_bytes_per_sequence(config, kv_format, page_size),
         }
@@ -134,8 +134,8 @@ def run(*, formats: list[str], eval_tokens: int, chunk: int, batch_sizes: list[i
         t0 = time.perf_counter(); generate(decode_tokens + 1); full = time.perf_counter() - t0
         step = (full - first) / decode_tokens
         return {"decode_tok_s": b / step, "decode_step_ms": step * 1e3,
-                "kv_bytes_per_token": kv_bytes_per_token(config, kv_format),
-                "kv_bytes_at_128_tokens": b * 128 * kv_bytes_per_token(config, kv_format)}
+                "kv_bytes_per_token": bytes_per_token(kv_format),
+                "kv_bytes_at_128_tokens": b * 128 * bytes_per_token(kv_format)}
 
     for kv_format in tqdm(formats, desc="speed"):
         for b in batch_sizes:
