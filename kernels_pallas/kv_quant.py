@@ -239,6 +239,18 @@ def dequantize(
     kv_format = check_kv_format(kv_format)
     if (scales is None) != (kv_format in _UNSCALED):
         raise ValueError(f"kv_format {kv_format!r} {'needs' if scales is None else 'takes no'} scales")
+    # Data of another dtype (a cache's integer bits, `to_bits`) or scales of another group
+    # count would dequantize to plausible-looking wrong numbers: refuse them by name.
+    stored = storage_dtype(kv_format)
+    if (not jnp.issubdtype(data.dtype, jnp.floating) if kv_format in _UNSCALED
+            else data.dtype != stored):
+        raise ValueError(f"kv_format {kv_format!r} stores {stored} data, got {data.dtype} "
+                         f"(bits held as integers go through from_bits first)")
+    D = 2 * data.shape[-1] if kv_format == "int4" else data.shape[-1]
+    if scales is not None and scales.shape[-1] != scale_groups(D, kv_format):
+        raise ValueError(f"kv_format {kv_format!r} at head dim {D} has "
+                         f"{scale_groups(D, kv_format)} scale entries per vector, got scales "
+                         f"{scales.shape}")
     return _dequantize(data, scales, kv_format, jnp.dtype(dtype))
 
 

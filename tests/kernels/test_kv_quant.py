@@ -144,6 +144,24 @@ def test_dequantize_dtype_and_leading_dims():
     assert y.shape == (2, 3, 4, D) and y.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("kv_format", ["float8_e4m3fn", "int8", "int4", "bfloat16"])
+def test_dequantize_refuses_data_it_would_misread(kv_format):
+    """Integer bits of a float format (how CPU caches hold them) and another head dim's scales
+    would dequantize to wrong numbers without a word: refused by name."""
+    x = _x(shape=(3, 64))
+    data, scales = quantize(x, kv_format)
+    if data.dtype != jnp.uint8:  # int4's data already is bytes
+        bits = data.view(jnp.uint8 if data.dtype.itemsize == 1 else jnp.uint16)
+        with pytest.raises(ValueError, match="stores"):
+            dequantize(bits, scales, kv_format)
+    if scales is not None:
+        _, other = quantize(_x(shape=(3, 128 if kv_format == "int4" else 64)), kv_format)
+        wrong = other[..., :scales.shape[-1] // 2] if kv_format == "int4" else \
+            jnp.concatenate([scales, scales], axis=-1)
+        with pytest.raises(ValueError, match="scale entries"):
+            dequantize(data, wrong, kv_format)
+
+
 def test_metadata():
     assert stored_head_dim(64, "int4") == 32 and stored_head_dim(64, "int8") == 64
     assert scale_groups(64, "float16") == 0 and scale_groups(64, "int8") == 1
