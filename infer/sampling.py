@@ -34,6 +34,9 @@ import numpy as np
 from infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
@@ -44,7 +47,7 @@ class SamplingArrays:
     (None: no row is constrained, and the program has no mask), and `num_logprobs` (static: 0,
     or the MAX_LOGPROBS top logprobs a step then also returns)."""
 
-    temperature: jax.Array  # [B] float32, 0 = greedy
+    temperature: jax.Array  # [B] float32, 0 = greedy (`SamplingParams.greedy`)
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
     seeds: jax.Array  # [B] uint32
@@ -73,10 +76,12 @@ class SamplingArrays:
         pad = [SamplingParams(seed=0)] * (batch - len(params))
         rows = list(params) + pad
         # Built on the host and moved in one device_put: an eager jnp.asarray per field ran a
-        # conversion program of its own, four per engine step.
+        # conversion program of its own, four per engine step. A top_k past int32 restricts
+        # nothing, as does one of the vocabulary's size: clamped, it cannot fail the batch.
         return jax.device_put(SamplingArrays(
-            temperature=np.asarray([p.temperature for p in rows], np.float32),
-            top_k=np.asarray([p.top_k for p in rows], np.int32),
+            temperature=np.asarray([0.0 if p.greedy else p.temperature for p in rows],
+                                   np.float32),
+            top_k=np.asarray([min(p.top_k, _INT32_MAX) for p in rows], np.int32),
             top_p=np.asarray([p.top_p for p in rows], np.float32),
             seeds=np.asarray([p.seed for p in rows], np.uint32),
             allowed=allowed,

@@ -36,6 +36,11 @@ def _as_tuple(x: object, field: str) -> tuple:
     except TypeError:
         raise ValueError(f"invalid SamplingParams: {field} must be a sequence, got {x!r}") from None
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one
+# overflows float32 to inf, and the draw then picks the first of the infinite logits rather
+# than the largest.
+SAMPLING_EPS = 1e-5
+
 # The most top logprobs a request may ask for per token (vLLM's --max-logprobs default): the
 # compiled logprobs variant always computes this many, each row keeps its own k.
 MAX_LOGPROBS = 20
@@ -58,9 +63,13 @@ class StructuredOutput:
         if isinstance(self.json, dict):
             # Key order kept: a schema's property order is the order the output follows.
             object.__setattr__(self, "json", json.dumps(self.json))
-        if self.choice is not None:
-            object.__setattr__(self, "choice", _as_tuple(self.choice, "choice"))
         problems = []
+        if isinstance(self.choice, str):
+            # A string is a sequence too: taken as one, "positive" would allow "p", "o", "s"...
+            problems.append(f"choice must be a sequence of strings, got the string "
+                            f"{self.choice!r} (one choice is [{self.choice!r}])")
+        elif self.choice is not None:
+            object.__setattr__(self, "choice", _as_tuple(self.choice, "choice"))
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None]
         if not isinstance(self.json_object, (bool, np.bool_)):
@@ -74,7 +83,7 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 problems.append(f"{name} must be a non-empty string, got {value!r}")
-        if self.choice is not None and not (self.choice and all(
+        if isinstance(self.choice, tuple) and not (self.choice and all(
                 isinstance(c, str) and c for c in self.choice)):
             problems.append(f"choice must be non-empty strings, at least one, got {self.choice!r}")
         if problems:
@@ -84,7 +93,8 @@ class StructuredOutput:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """vLLM-style sampling parameters. temperature 0 is greedy; top_k 0 and top_p 1 disable them.
+    """vLLM-style sampling parameters. A temperature below SAMPLING_EPS (0 included) is
+    greedy; top_k 0 and top_p 1 disable them, as does a top_k of the vocabulary's size or more.
 
     seed None (the default) means a fresh seed per request, as in vLLM: two unseeded requests
     draw independent noise. The engine fixes it when the request is created
@@ -100,6 +110,10 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Keep the stop string that matched, or the text of the stop token (a stop token id or
+    # end-of-sequence) that ended the request, in its text, as vLLM's field of this name; the
+    # token itself is in token_ids either way.
+    include_stop_str_in_output: bool = False
     # Report each output token's logprob (the model's raw distribution, before temperature,
     # top-k/top-p and any structured-output mask, as vLLM does) and this many top
     # alternatives: 0 for the chosen token's alone, None for none.
@@ -133,8 +147,9 @@ class SamplingParams:
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
         if not all(is_integer(t) and t >= 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (self.logprobs is None or (is_integer(self.logprobs)
                                           and 0 <= self.logprobs <= MAX_LOGPROBS)):
             problems.append(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
@@ -156,6 +171,8 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "include_stop_str_in_output",
+                           bool(self.include_stop_str_in_output))
 
     @property
     def streams(self) -> bool:
@@ -164,7 +181,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Picks the most likely token: the one rule, which the device arrays follow (a greedy
+        row's temperature is 0 there)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def plain_steps_only(self) -> bool:

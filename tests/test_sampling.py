@@ -48,6 +48,23 @@ def test_greedy_is_argmax_whatever_the_seed() -> None:
     assert (draws == 0).all()
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 2e-38, 5e-324])
+def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
+    """Logits over a tiny temperature overflow float32: inf at both large logits, of which
+    the draw took the first. As vLLM, a temperature below its epsilon is greedy."""
+    logits = np.array([50.0, 60.0, -1.0, 0.5] + [0.0] * (V - 4), np.float32)
+    draws = _draws(SamplingParams(temperature=temperature, seed=7), n=50, logits=logits)
+    assert (draws == 1).all(), draws
+
+
+@pytest.mark.parametrize("top_k", [V, 2**31 - 1, 2**31, 2**64])
+def test_a_top_k_of_the_vocabulary_or_more_restricts_nothing(top_k: int) -> None:
+    """A top_k past int32 once failed the whole batch building its arrays."""
+    off = _draws(SamplingParams(temperature=1.0, seed=9), n=200)
+    np.testing.assert_array_equal(_draws(SamplingParams(temperature=1.0, top_k=top_k, seed=9),
+                                         n=200), off)
+
+
 def test_temperature_samples_softmax() -> None:
     for t in (0.7, 1.0, 1.8):
         assert _chi2_ok(_draws(SamplingParams(temperature=t, seed=1)), _softmax(LOGITS / t))

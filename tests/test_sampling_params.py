@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infer.sampling import SamplingArrays
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SAMPLING_EPS, SamplingParams, StructuredOutput
 
 INT_TYPES = [int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 FLOAT_TYPES = [float, np.float16, np.float32, np.float64]
@@ -61,6 +61,7 @@ def test_bools_are_refused_by_every_numeric_field(field: str, flag) -> None:
     (dict(stop_token_ids=5), "stop_token_ids must be a sequence"),
     (dict(stop=7), "stop must be a sequence"),
     (dict(ignore_eos=1), "ignore_eos must be a bool"),
+    (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output must be a bool"),
     (dict(seed=np.int64(-1)), "seed must be None"),
     (dict(seed=np.uint64(2**32)), "seed must be None"),
     (dict(top_k=np.float64(2.0)), "top_k must be an int"),
@@ -77,3 +78,21 @@ def test_other_bad_values_name_their_field(kwargs, message) -> None:
 def test_numpy_bool_is_a_bool_for_ignore_eos() -> None:
     params = SamplingParams(ignore_eos=np.True_)
     assert params.ignore_eos is True
+
+
+def test_a_string_is_not_a_list_of_choices() -> None:
+    """Iterated, "positive" would constrain the output to one of its letters."""
+    with pytest.raises(ValueError, match="choice must be a sequence of strings, got the string"):
+        StructuredOutput(choice="positive")
+    assert StructuredOutput(choice=["positive"]).choice == ("positive",)
+
+
+@pytest.mark.parametrize("temperature, greedy", [
+    (0.0, True), (5e-324, True), (1e-38, True), (SAMPLING_EPS / 2, True),
+    (SAMPLING_EPS, False), (0.7, False)])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature: float, greedy: bool) -> None:
+    """As vLLM: one rule, which the device arrays follow (0 marks a greedy row there)."""
+    params = SamplingParams(temperature=temperature, seed=0)
+    assert params.greedy == greedy
+    row = float(SamplingArrays.from_params([params]).temperature[0])
+    assert (row == 0.0) == greedy

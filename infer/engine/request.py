@@ -135,13 +135,16 @@ class RequestOutput:
     seed: int | None = None  # the seed it drew with: a fresh one when none was asked for
     logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when asked for
     # What stopped it (vLLM's stop_reason): the stop string matched, or the stop token id;
-    # None for EOS, a finished constraint, max_tokens or an abort.
+    # None for EOS, a finished constraint, max_tokens or an abort. A stop string that cuts the
+    # text at the token that also ends it otherwise is the reason: it is where the text ends.
     stop_reason: str | int | None = None
 
 
 class Request:
-    """Appending tokens checks the stop conditions: EOS (unless ignore_eos), stop token ids,
-    stop strings (the text is cut before the stop string) and max_tokens.
+    """Appending tokens checks the stop conditions: EOS (unless ignore_eos), stop token ids
+    (the text leaves out the stop token's), stop strings (the text is cut before the stop
+    string) and max_tokens; with include_stop_str_in_output, the stop token's text or the stop
+    string stays in the text.
 
     Until it finishes, a request's visible text holds back any tail that could still grow into
     a stop string, so streamed text never shows part of one.
@@ -159,6 +162,10 @@ class Request:
         if (constraint is None) != (params.structured is None):
             raise ValueError("a request has a constraint exactly when its params ask for "
                              "structured output (Engine.make_request compiles it)")
+        if params.stop and tokenizer is None:
+            # Without text, a stop string could never match: the request would run to
+            # max_tokens as if none were asked for.
+            raise ValueError("stop strings need a tokenizer; without one, use stop_token_ids")
         self.constraint = constraint
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.request_id = request_id
@@ -183,6 +190,7 @@ class Request:
                        if incremental else None)
         self._text = ""
         self._text_tokens = 0  # output tokens _text holds, where decoded when asked
+        self._silent_last = False  # the last token is a stop token whose text is left out
 
     @property
     def finished(self) -> bool:
@@ -218,64 +226,87 @@ class Request:
         if self.token_times:
             self._token_gaps.append(now - self.token_times[-1])
         self.token_times.append(now)
-        searched = len(self._text)
-        if self._detok is not None:
-            self._text += self._detok.step(self.output_ids)
-        cut = None
-        if int(token) in self._stop_ids or (self.constraint is not None and self.constraint.done):
+        stop_token = int(token) in self._stop_ids
+        ending = (stop_token or (self.constraint is not None and self.constraint.done)
+                  or len(self.output_ids) >= self.params.max_tokens)
+        # As vLLM: the text of a stop token (EOS, a stop token id) is left out of the text.
+        self._silent_last = stop_token and not self.params.include_stop_str_in_output
+        cut = self._extend_text(final=ending)
+        if cut is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, cut
+        elif stop_token or (self.constraint is not None and self.constraint.done):
             self.finish_reason = FinishReason.STOP
             if int(token) in self.params.stop_token_ids:
                 self.stop_reason = int(token)
-        elif self.params.stop and (cut := self._cut_at_stop_string(searched)) is not None:
-            self.finish_reason, self.stop_reason = FinishReason.STOP, cut
-        elif len(self.output_ids) >= self.params.max_tokens:
+        elif ending:
             self.finish_reason = FinishReason.LENGTH
-        if self.finished and cut is None and (cut := self._flush_text()) is not None:
-            self.finish_reason, self.stop_reason = FinishReason.STOP, cut
         return self.finished
 
     def abort(self) -> None:
         if not self.finished:
             self.finish_reason = FinishReason.ABORT
-            self._flush_text()
+            self._extend_text(final=True)
 
-    def _flush_text(self) -> str | None:
-        """At the end, unless a stop string cut it, the text is all the tokens'
-        (decode(output_ids)): what the detokenizer held back, a character the last tokens
-        leave incomplete, is added, and cut at a stop string it completes (returned then)."""
+    def _extend_text(self, final: bool) -> str | None:
+        """Adds the latest token's text and cuts the text at a stop string it completes
+        (returned then), whatever else ends the request at that token: the text never holds
+        what the stop string alone would have cut, nor, when `_silent_last`, the stop token's
+        text. `final`: the request ends here, so what the detokenizer held back (a character
+        the last tokens leave incomplete) is added too: uncut, the text is then all the
+        tokens' (decode(output_ids), less a silent last one)."""
         if self._detok is None:
-            return None
+            return None  # no stop strings (they make a detokenizer): decoded when asked
         searched = len(self._text)
+        ids = self.output_ids[:-1] if self._silent_last else self.output_ids
+        self._text += self._detok.step(ids, final=final)
+        if not self.params.stop:
+            return None
+        if (cut := self._cut_at_stop_string(searched)) is not None or not self._silent_last:
+            return cut
+        # The stop token's text is searched too, for a stop string that starts before it:
+        # kept, its start would show the part of the stop string the stop token completes.
+        kept = len(self._text)
         self._text += self._detok.step(self.output_ids, final=True)
-        return self._cut_at_stop_string(searched) if self.params.stop else None
+        at, cut = self._find_stop_string(kept)
+        self._text = self._text[:min(at, kept)]
+        return cut if at < kept else None
 
-    def _cut_at_stop_string(self, searched: int) -> str | None:
-        """Cuts the text before the first stop string and returns it (None: none found);
-        `searched`: text length already known to hold none, so only what could end in the
-        new characters is searched again. Of stop strings found at one place, the longest."""
+    def _find_stop_string(self, searched: int) -> tuple[int, str | None]:
+        """Where the first stop string starts in the text and which it is (of those found at
+        one place, the longest), or (len(text), None); `searched`: text length already known
+        to hold none, so only what could end in the new characters is searched again."""
         longest = max(map(len, self.params.stop))
         start = max(0, searched - longest + 1)
         hits = [(i, -len(s), s) for s in self.params.stop
                 if (i := self._text.find(s, start)) >= 0]
         if not hits:
-            return None
+            return len(self._text), None
         at, _, stop = min(hits)
-        self._text = self._text[:at]
+        return at, stop
+
+    def _cut_at_stop_string(self, searched: int) -> str | None:
+        """Cuts the text at the first stop string and returns it (None: none found): before
+        it, or after it with include_stop_str_in_output. `searched`: as `_find_stop_string`."""
+        at, stop = self._find_stop_string(searched)
+        if stop is not None:
+            self._text = self._text[:at + (len(stop) if self.params.include_stop_str_in_output
+                                           else 0)]
         return stop
 
     def _decoded(self) -> str:
         """The text of the output so far."""
         if self._detok is None and self._tokenizer is not None:
-            if self._text_tokens != len(self.output_ids):
-                self._text = self._tokenizer.decode(self.output_ids, skip_special_tokens=True)
-                self._text_tokens = len(self.output_ids)
+            n = len(self.output_ids) - int(self._silent_last)
+            if self._text_tokens != n:
+                self._text = self._tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)
+                self._text_tokens = n
         return self._text
 
     def _visible_text(self) -> str:
         """The text without its longest tail that is a proper prefix of a stop string."""
         text = self._decoded()
-        if self.finished or not self.params.stop:
-            return text
+        if self.finished or not self.params.stop or self.params.include_stop_str_in_output:
+            return text  # a stop string that stays in the text needs no part held back
         for n in range(min(max(map(len, self.params.stop)) - 1, len(text)), 0, -1):
             tail = text[-n:]
             if any(s.startswith(tail) for s in self.params.stop):

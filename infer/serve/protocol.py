@@ -97,7 +97,7 @@ _NEUTRAL: dict[str, tuple] = {
     "prompt_logprobs": (None,), "repetition_penalty": (None, 1, 1.0),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "suffix": (None, ""), "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+    "min_tokens": (None, 0),
     "skip_special_tokens": (None, True), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "continue_final_message": (None, False),
     "chat_template_kwargs": (None, {}), "use_beam_search": (None, False),
@@ -114,8 +114,8 @@ _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "json_schema", "r
 # on both endpoints; then each endpoint's own (max_completion_tokens is chat's alone, as in
 # OpenAI's and vLLM's APIs: a completion client sending it gets the log line, not a silent 16).
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop",
-          "stop_token_ids", "ignore_eos", "stream", "stream_options", "return_token_ids",
-          "request_id", "user", "add_special_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) \
+          "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream", "stream_options",
+          "return_token_ids", "request_id", "user", "add_special_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) \
     | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
 _ENDPOINT_FIELDS = {"completion": {"prompt"},
                     "chat": {"messages", "max_completion_tokens", "add_generation_prompt",
@@ -321,7 +321,8 @@ def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
                   top_p=_number(body, "top_p", 1.0), top_k=top_k, max_tokens=max_tokens,
                   seed=_int(body, "seed", None), stop=_stop(body),
                   stop_token_ids=_stop_token_ids(body),
-                  ignore_eos=_bool(body, "ignore_eos", False))
+                  ignore_eos=_bool(body, "ignore_eos", False),
+                  include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
     try:
         return SamplingParams(**kwargs, logprobs=logprobs, structured=structured)
     except ValueError as e:

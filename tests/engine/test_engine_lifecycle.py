@@ -152,6 +152,32 @@ def test_a_request_is_validated_once(tiny_model, monkeypatch) -> None:
     assert calls == ["infer.engine.scheduler"] and not engine.has_unfinished()
 
 
+def test_a_huge_top_k_does_not_fail_its_batch(tiny_model) -> None:
+    """top_k past int32 once made building the step's arrays raise, failing every request of
+    the batch; it restricts nothing, as a top_k of the vocabulary's size does."""
+    engine = tiny_engine(tiny_model)
+    sampled = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=1)
+    huge = dataclasses.replace(sampled, top_k=2**31)
+    unrestricted = run(engine, [[1, 2, 3], [4, 5, 6]], sampled)
+    ids = [engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled),
+           engine.add_request(prompt_token_ids=[4, 5, 6], params=huge)]
+    engine.run_until_done()
+    got = [engine.output(i) for i in ids]
+    assert all(o.finished and len(o.token_ids) == 4 for o in got)
+    assert [o.token_ids for o in got] == [o.token_ids for o in unrestricted]
+
+
+def test_stop_strings_are_refused_without_a_tokenizer(tiny_model) -> None:
+    """Without text they could never match: refused, as structured output is, not ignored."""
+    engine = tiny_engine(tiny_model)
+    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+        engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(stop=["a"],
+                                                                          max_tokens=4))
+    assert not engine.has_unfinished()
+    engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(stop_token_ids=[7],
+                                                                      max_tokens=4))
+
+
 def test_request_limits_implies() -> None:
     tight = RequestLimits(vocab_size=10, max_model_len=32, pool_tokens=64)
     loose = RequestLimits(max_model_len=64, pool_tokens=64)

@@ -113,6 +113,10 @@ def test_stop_string_is_cut_and_never_half_streamed(running) -> None:
     got = client.completions.create(model="smollm2-4l", prompt=PROMPTS[1], temperature=0,
                                     max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
     assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model="smollm2-4l", prompt=PROMPTS[1], temperature=0,
+                                     max_tokens=24, stop=[stop], extra_body={
+                                         "ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop  # vLLM's field: the stop string kept
     streamed = ""
     for c in client.completions.create(model="smollm2-4l", prompt=PROMPTS[1], temperature=0,
                                        max_tokens=24, stop=stop, stream=True,
