@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -227,6 +228,8 @@ def serve_llama_server(llama_server: str, gguf_path: str, work: list[WorkItem], 
         return stream_completion(port, item)
 
     with server_process(command, port):
+        # Untimed, as infer's engine is warmed up before its clock starts.
+        stream_completion(port, dataclasses.replace(work[0], output_len=2))
         bar = tqdm(total=len(work), desc=desc, leave=False)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(work))
         try:
