@@ -33,7 +33,7 @@ def summarize(metrics: Sequence[RequestMetrics], wall_s: float,
     }
     row |= percentiles([m.ttft_s for m in metrics], "ttft_s")
     row |= percentiles([m.tpot_s for m in metrics], "tpot_s")
-    row |= percentiles([x for m in metrics for x in m.itl_s], "itl_s")
+    row |= percentiles([x for m in metrics for x in m.step_gaps], "itl_s")
     row |= percentiles([m.e2e_s for m in metrics], "e2e_s")
     if records:
         busy = [r for r in records if r.kind != "idle"]

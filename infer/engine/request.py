@@ -99,6 +99,13 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
 
+    @property
+    def step_gaps(self) -> tuple[float, ...]:
+        """Inter-token latencies as vLLM counts them (its ITL histogram, its benchmark's
+        chunks): one per step that brought tokens. A step that emits several (speculative
+        decoding) gives them one time; their zero gaps in `itl_s` were waited by no one."""
+        return tuple(g for g in self.itl_s if g > 0)
+
     @classmethod
     def from_token_times(cls, arrival_s: float, token_times: Sequence[float],
                          num_prompt_tokens: int, finished: bool = True,

@@ -98,7 +98,7 @@ class ServerMetrics:
         self.prefix_hits.inc(m.num_cached_tokens)
         if m.ttft_s is not None:
             self.ttft.observe(m.ttft_s)
-        for gap in m.itl_s:
+        for gap in m.step_gaps:
             self.itl.observe(gap)
         if m.e2e_s is not None and out.finish_reason != FinishReason.ABORT:
             self.e2e.observe(m.e2e_s)

@@ -39,6 +39,23 @@ def test_latencies_follow_their_definitions_at_random_token_times() -> None:
             assert math.isclose(m.tpot_s, math.fsum(m.itl_s) / (n - 1), rel_tol=1e-12), seed
 
 
+def test_tokens_of_one_step_count_one_inter_token_latency() -> None:
+    """A speculative step emits several tokens at one time: vLLM's ITL counts the step once,
+    TPOT still counts every token. Random steps of 1-5 tokens."""
+    from infer.engine.metrics import summarize
+
+    rng = np.random.default_rng()
+    sizes = rng.integers(1, 6, int(rng.integers(2, 40)))
+    step_times = np.cumsum(rng.exponential(0.05, len(sizes)) + 1e-3)
+    times = np.repeat(step_times, sizes).tolist()
+    m = RequestMetrics.from_token_times(0.0, times, 5)
+    assert m.num_output_tokens == sizes.sum() and len(m.itl_s) == sizes.sum() - 1
+    assert m.step_gaps == tuple(np.diff(step_times).tolist())
+    assert math.isclose(m.tpot_s, (times[-1] - times[0]) / (len(times) - 1), rel_tol=1e-9)
+    row = summarize([m], wall_s=1.0)
+    assert row["itl_s_p50"] == pytest.approx(float(np.median(np.diff(step_times))))
+
+
 def test_request_keeps_gaps_as_tokens_come_equal_to_recomputing_them() -> None:
     """Request.metrics() passes the gaps it appends token by token; at every step they must be
     the ones from_token_times computes from the times alone."""
