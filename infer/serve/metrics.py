@@ -43,7 +43,9 @@ class ServerMetrics:
                              "prefix cache holds count as free, as they are evictable")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "prompt tokens of requests "
                                   "served (counted when they finish)")
-        self.generation_tokens = make(Counter, "vllm:generation_tokens", "tokens generated")
+        self.generation_tokens = make(Counter, "vllm:generation_tokens", "tokens generated "
+                                      "(counted when their request finishes; vLLM counts each "
+                                      "step's)")
         self.success = make(Counter, "vllm:request_success", "finished requests by reason",
                             ["finished_reason"])
         self.preemptions = make(Counter, "vllm:num_preemptions", "requests preempted and "
