@@ -259,10 +259,8 @@ class Engine:
         sampled = pending.result()
         executed = time.perf_counter()
         advanced = self.scheduler.postprocess(plan, sampled, logprobs=pending.logprobs())
-        outputs = [seq.request.output() for seq in advanced
+        outputs = [self._notify(seq.request.output()) for seq in advanced
                    if seq.request.params.streams or seq.request.finished]
-        for out in outputs:
-            self._notify(out)
         end = time.perf_counter()
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
@@ -292,13 +290,15 @@ class Engine:
                              f"EngineConfig.max_step_records")
         return [r for r in self.records if r.index >= since]
 
-    def _notify(self, out: RequestOutput) -> None:
-        """Hands an output to its callback; a finished request's engine state is released."""
+    def _notify(self, out: RequestOutput) -> RequestOutput:
+        """Hands an output to its callback; a finished request's engine state is released.
+        Returns the output that stands: the aborted one when the callback raised, so that a
+        caller of `step` (a data-parallel front, a server) sees the request end."""
         callback = self._callbacks.get(out.request_id)
         if out.finished:
             self._release(out)
         if callback is None:
-            return
+            return out
         try:
             callback(out)
         except Exception:  # a consumer's bug must not take the engine, or other requests, down
@@ -307,7 +307,9 @@ class Engine:
             self._callbacks.pop(out.request_id, None)
             seq = self.scheduler.abort(out.request_id)
             if seq is not None:
-                self._release(seq.request.output())
+                out = seq.request.output()
+                self._release(out)
+        return out
 
     def _release(self, final: RequestOutput) -> None:
         self._callbacks.pop(final.request_id, None)

@@ -64,6 +64,29 @@ def test_prefix_routing_follows_the_cached_prefix(grouped):
     assert front.output(follower.request_id).token_ids == _sampled(one, [shared + [3]], 3)[0]
 
 
+def test_a_request_aborted_by_its_callback_leaves_the_front(grouped):
+    """A replica aborts a request whose stream callback raised; the front sees it end too:
+    its id is free again and the front holds nothing unfinished."""
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, **ENGINE)
+    front = llm.engine
+
+    def bad(out) -> None:
+        raise RuntimeError("consumer bug")
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    rng = np.random.default_rng()
+    for request_id in ("x", "y"):
+        front.add_request(prompt_token_ids=rng.integers(3, 100, 5).tolist(), params=params,
+                          request_id=request_id, callback=bad)
+    ends = [out for out in front.stream() if out.finished]
+    assert sorted(o.request_id for o in ends) == ["x", "y"]
+    assert {o.finish_reason.value for o in ends} == {"abort"}
+    assert not front.has_unfinished()
+    front.add_request(prompt_token_ids=[5, 6, 7], params=params, request_id="x")  # reusable
+    front.run_until_done()
+    assert front.output("x").finish_reason.value == "length"
+
+
 def test_front_rejects_bad_configurations(grouped):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, dp_routing="prefix",
