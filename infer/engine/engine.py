@@ -172,6 +172,11 @@ class Engine:
                              "never match): use stop_token_ids")
         constraint = None
         if params.structured is not None:
+            if self.runner.mirror is not None:
+                # Mirrored plans carry their requests to the other hosts, and a grammar
+                # matcher's state neither pickles nor would stay in step there.
+                raise ValueError("structured output is not supported across hosts "
+                                 "(jax.distributed): serve it from one process")
             constraint = self._grammars().constraint(params.structured)
         if request_id is None:
             request_id = str(self._next_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
 
 import jax
 import numpy as np
@@ -90,6 +90,16 @@ def run(llm: "LLM", main: Callable[["LLM"], T]) -> T | None:
         raise ValueError("across hosts, one engine replica spans the processes: use "
                          "tensor_parallel_size, not data_parallel_size")
     runner = llm.engine.runner
+    mesh = runner.device_steps.mesh
+    missing = processes_without_devices(() if mesh is None else mesh.devices.flat,
+                                        jax.process_count())
+    if missing:
+        # Every process raises here alike, so none is left waiting for another's broadcast.
+        raise ValueError(
+            f"across {jax.process_count()} processes the engine's mesh must hold devices of "
+            f"each, but processes {missing} have none of its "
+            f"{0 if mesh is None else mesh.devices.size} (of {jax.device_count()} devices in "
+            f"all): set tensor_parallel_size to jax.device_count()")
     if jax.process_index() != 0:
         _follow(runner)
         return None
@@ -99,6 +109,13 @@ def run(llm: "LLM", main: Callable[["LLM"], T]) -> T | None:
     finally:
         runner.mirror = None
         _broadcast((_STOP,))
+
+
+def processes_without_devices(devices: Iterable[jax.Device], process_count: int) -> list[int]:
+    """The processes of `process_count` that hold none of `devices`: a follower without a
+    device of the mesh has no shard to run a step on (it crashed, and process 0 then waited)."""
+    held = {d.process_index for d in devices}
+    return [p for p in range(process_count) if p not in held]
 
 
 def _follow(runner: Runner) -> None:

@@ -36,3 +36,35 @@ def test_two_processes_give_one_device_tokens():
     row = json.loads(next(line for line in results[0][0].splitlines() if line.startswith("{")))
     assert (row["processes"], row["global_devices"], row["mesh_devices"]) == (2, 4, 4)
     assert row["tokens"] == row["one_device"]
+
+
+def test_a_mesh_must_hold_devices_of_every_process():
+    """A follower without a device of the mesh has no shard to run a step on: refused before
+    the first step, by every process alike."""
+    import random
+    import types
+
+    from infer.parallel.distributed import processes_without_devices
+
+    for _ in range(50):
+        count = random.randint(1, 6)
+        held = set(random.sample(range(count), random.randint(0, count)))
+        devices = [types.SimpleNamespace(process_index=p) for p in held for _ in range(2)]
+        random.shuffle(devices)
+        assert processes_without_devices(devices, count) == sorted(set(range(count)) - held)
+
+
+def test_structured_output_is_refused_when_plans_are_mirrored(tiny_model):
+    """Across hosts each step's plan is pickled to the followers; a grammar matcher cannot go
+    with it, so such a request is refused at the door rather than failing the first step."""
+    import pytest
+
+    from infer.sampling_params import SamplingParams, StructuredOutput
+    from tests.engines import tiny_engine
+
+    engine = tiny_engine(tiny_model)
+    engine.runner.mirror = lambda *message: None
+    params = SamplingParams(max_tokens=4, structured=StructuredOutput(regex="[ab]+"))
+    with pytest.raises(ValueError, match="across hosts"):
+        engine.add_request(prompt_token_ids=[1, 2, 3], params=params)
+    assert not engine.has_unfinished()
