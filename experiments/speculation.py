@@ -138,22 +138,27 @@ def expected_tokens(alpha: float, k: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fraction: float = 1.0
-                      ) -> float:
-    """The lesson's cost model: a verify step emits expected_tokens(alpha, k) tokens for k
-    draft steps (c each) and one verify pass (v), in baseline decode steps. With
-    `verify_fraction` < 1 (n-gram finds nothing to propose at some steps) the other steps are
-    plain decode steps: one token, cost 1."""
+def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fraction: float = 1.0,
+                      depth: float | None = None) -> float:
+    """The lesson's cost model: a verify step emits expected_tokens(alpha, depth) tokens for k
+    draft steps (c each) and one verify pass (v), in baseline decode steps; `depth`, the
+    longest path a step can accept, is k for a chain (the default) and a tree's depth for its
+    k candidates. With `verify_fraction` < 1 (n-gram finds nothing to propose at some steps)
+    the other steps are plain decode steps: one token, cost 1."""
     f = verify_fraction
-    tokens = f * expected_tokens(alpha, k) + (1 - f)
+    tokens = f * expected_tokens(alpha, k if depth is None else depth) + (1 - f)
     cost = f * (k * c + v) + (1 - f)
     return tokens / cost if cost > 0 else float("nan")
 
 
-def alpha_mle(accepted_counts: Sequence[int], proposed_counts: Sequence[int]) -> float:
+def alpha_mle(accepted_counts: Sequence[int], proposed_counts: Sequence[int],
+              depth: int | None = None) -> float:
     """Per-position acceptance (the cost model's alpha): accepted drafts over the drafts the
-    verifier judged, i.e. accepted ones plus the first rejection of each step that had one."""
-    judged = sum(a + (a < p) for a, p in zip(accepted_counts, proposed_counts) if p > 0)
+    verifier judged, i.e. accepted ones plus the first rejection of each step that had one. A
+    step can accept at most min(proposed, depth) (a tree's depth, below its candidates): one
+    that accepted that many had no rejection."""
+    cap = lambda p: p if depth is None else min(p, depth)
+    judged = sum(a + (a < cap(p)) for a, p in zip(accepted_counts, proposed_counts) if p > 0)
     return sum(accepted_counts) / judged if judged else float("nan")
 
 
@@ -303,14 +308,18 @@ def missing_weights(method: str, eagle_path: str = "") -> str | None:
     return None if os.path.isfile(path) else path
 
 
-def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int) -> dict[str, Any]:
-    """The measured and predicted columns of one speculative run against its baseline."""
+def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | None = None
+             ) -> dict[str, Any]:
+    """The measured and predicted columns of one speculative run against its baseline; `depth`:
+    a tree's (its k candidates are verified, at most `depth` of them accepted)."""
     probe = spec.pop("probe")
     proposed, accepted = probe["proposed"], probe["accepted"]
     rows = probe["verify_rows"]
     alpha = accepted / proposed if proposed else float("nan")
-    mle = alpha_mle(probe["accepted_counts"], probe["proposed_counts"])
+    mle = alpha_mle(probe["accepted_counts"], probe["proposed_counts"], depth)
     k_mean = proposed / rows if rows else float(k)
+    # The longest path a step can accept: the drafts of a chain, a tree's depth.
+    reach = k_mean if depth is None else min(k_mean, depth)
     base_step = base["decode_step_s"]
     c = (probe["propose_s"] / max(probe["propose_calls"], 1) / k_mean / base_step
          if probe["propose_calls"] else float("nan"))
@@ -326,12 +335,13 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int) -> dict[str, An
            "baseline_decode_tok_s": base["decode_tok_s"],
            "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
            "draft_cost_ratio": c, "verify_cost_ratio": v,
-           "pred_tokens_per_verify": expected_tokens(alpha, k_mean) if proposed else float("nan"),
-           "pred_tokens_per_verify_mle": expected_tokens(mle, k_mean) if proposed else float("nan"),
-           "pred_speedup": predicted_speedup(alpha, k_mean, c, v, f) if proposed else float("nan"),
-           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f) if proposed
+           "pred_tokens_per_verify": expected_tokens(alpha, reach) if proposed else float("nan"),
+           "pred_tokens_per_verify_mle": expected_tokens(mle, reach) if proposed else float("nan"),
+           "pred_speedup": (predicted_speedup(alpha, k_mean, c, v, f, reach) if proposed
+                            else float("nan")),
+           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f, reach) if proposed
                                 else float("nan")),
-           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f) if proposed
+           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f, reach) if proposed
                                else float("nan"))}
     return row
 
@@ -442,13 +452,16 @@ def run_engine(*, methods: list[str], ks: list[int], temperatures: list[float],
                     llm = engine(batch, {"method": method, **variant, **extras})
                     return llm, ProposerProbe(llm.engine.runner.proposer)
 
-                def measure(t: float, kind=kind, k=k, batch=batch, extras=extras) -> dict:
+                depth = TreeShape.parse(variant["tree"]).depth if "tree" in variant else None
+
+                def measure(t: float, kind=kind, k=k, batch=batch, extras=extras,
+                            depth=depth) -> dict:
                     llm, probe = spec_llm()
                     base = baselines[kind, t]
                     spec = timed(llm, kind, batch, t, probe)
                     same = (sum(a == b for a, b in zip(spec["token_ids"], base["token_ids"]))
                             / len(base["token_ids"])) if t == 0 else None
-                    row = {**spec_row(base, spec, k), "greedy_identical": same,
+                    row = {**spec_row(base, spec, k, depth), "greedy_identical": same,
                            "draft_vocab_size": extras.get("draft_vocab_size", 0),
                            "draft_confidence": extras.get("draft_confidence", 0.0)}
                     row.pop("token_ids")
@@ -510,6 +523,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
 
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import generate
+    from infer.platform import CompileCounter
     from infer.sampling_params import SamplingParams
     from infer.spec.config import DRAFT_VOCAB_PATH, SpeculativeConfig
     from infer.spec.eagle_head import EagleHead, load_eagle
@@ -548,15 +562,21 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
     bar = tqdm(total=len(temperatures) * (len(shapes) + 1), desc="tree runs")
 
     def run_all(fn) -> tuple[list[list[int]], dict[str, float]]:
-        """fn(prompt, seed) over every prompt, after one untimed call that compiles; the
-        outputs and the sums of the count and time stats."""
-        fn(prompts[0], seed)
-        outs, totals = [], {}
+        """fn(prompt, seed) over every prompt, after an untimed pass over every prompt: the
+        plain loop's programs follow each prompt's length (its bucket and cache windows), so
+        warming on one prompt left the others' compiles inside the baseline's timed decode.
+        Returns the outputs and the sums of the count and time stats, with the programs built
+        while timed (0 expected)."""
         for i, p in enumerate(prompts):
-            ids, stats = fn(p, seed + i)
-            outs.append([int(x) for x in ids])
-            for key in ("decode_s", "verify_steps", "accepted", "full_steps"):
-                totals[key] = totals.get(key, 0) + stats.get(key, 0)
+            fn(p, seed + i)
+        outs, totals = [], {}
+        with CompileCounter() as built:
+            for i, p in enumerate(prompts):
+                ids, stats = fn(p, seed + i)
+                outs.append([int(x) for x in ids])
+                for key in ("decode_s", "verify_steps", "accepted", "full_steps"):
+                    totals[key] = totals.get(key, 0) + stats.get(key, 0)
+        totals["programs_built_while_timed"] = built.count
         return outs, totals
 
     def measure_plain(t: float) -> dict:
@@ -566,6 +586,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
         # The token ids stay in the row: a resumed tree point compares its output against them.
         return {"decode_tokens": base_tokens, "decode_tok_s": base_tokens / base["decode_s"],
                 "decode_step_s": base["decode_s"] / base_tokens, "speedup": 1.0,
+                "programs_built_while_timed": base["programs_built_while_timed"],
                 "token_ids": base_out}
 
     def measure_tree(shape: TreeShape, t: float, base: dict) -> dict:
@@ -585,6 +606,7 @@ def run_tree(*, branches: int, depth: int, temperatures: list[float], num_prompt
         v = pieces["verify_s"] / step_s
         tok_s = tokens / tot["decode_s"]
         return {"nodes": spec.num_nodes, "decode_tokens": tokens, "decode_tok_s": tok_s,
+                "programs_built_while_timed": tot["programs_built_while_timed"],
                 "verify_steps": steps, "accepted": accepted, "acceptance_rate": alpha,
                 "alpha_mle": mle,
                 "mean_accepted_per_verify": accepted / steps if steps else float("nan"),

@@ -34,6 +34,12 @@ def test_cost_model_matches_the_lesson() -> None:
     assert speculation.predicted_speedup(0.5, 2, 0.0, 1.0, verify_fraction=0.0) == 1.0
     # A step that accepts all k drafts saw no rejection; one that accepted 1 of 3 saw one.
     assert speculation.alpha_mle([2, 1], [2, 3]) == pytest.approx(3 / 4)
+    # A tree verifies 14 candidates but accepts at most its depth, 3: a step that accepted 3
+    # saw no rejection (counted as one, alpha fell to accepted / (accepted + steps), and the
+    # predicted tokens per verify step equalled the measured ones whatever happened).
+    assert speculation.alpha_mle([3, 3, 0], [14, 14, 14], depth=3) == pytest.approx(6 / 7)
+    tokens = speculation.predicted_speedup(6 / 7, 14, 0.0, 1.0, depth=3)
+    assert tokens == pytest.approx(speculation.expected_tokens(6 / 7, 3)) and tokens <= 4
 
 
 def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> None:
@@ -89,6 +95,7 @@ def test_experiment_rows_on_the_tiny_model(tmp_path, monkeypatch, capsys) -> Non
             assert r["engine_stats"]["accepted"] == r["accepted"]
     tree = [r for r in stored if r["part"] == "tree"]
     assert [r["tree"] for r in tree] == ["none", "2x1", "1x1"]
+    assert all(r["programs_built_while_timed"] == 0 for r in tree)  # every prompt warmed
     for r in tree[1:]:
         assert r["head"] == "random" and r["greedy_identical"] == 1.0
         assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["tokens_per_verify"] >= 1.0
@@ -148,5 +155,10 @@ def test_engine_trees_run_beside_the_chains(tmp_path) -> None:
     for r in trees.values():
         assert r["greedy_identical"] == 1.0 and r["programs_built_while_timed"] == 0
         assert 1.0 < r["tokens_per_verify"] <= 1 + TreeShape.parse(r["tree"]).depth
+        assert r["pred_tokens_per_verify_mle"] <= 1 + TreeShape.parse(r["tree"]).depth
         assert r["engine_stats"]["proposed"] == r["proposed"]
         assert r["engine_stats"]["accepted"] == r["accepted"]
+    # The oracle head's 2x2 steps often accept the whole depth, which is no rejection: alpha
+    # then exceeds accepted / (accepted + steps), which counts one in every step.
+    r = trees["2x2"]
+    assert r["alpha_mle"] > r["accepted"] / (r["accepted"] + r["verify_rows"])
