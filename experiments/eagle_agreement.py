@@ -62,7 +62,9 @@ def agreement(target, head, prompt: list[int], answer: list[int], vocab_ids=None
     wanted = np.asarray(jnp.argmax(logits, -1))[0, 1:]
     hit = drafted == wanted
     # Drafted tokens the target generated, answer[0] excepted: as if the prompt ran one further.
+    # The last row drafts x_n, past the answer: an engine that stops there never drafts it.
     in_answer = np.asarray(generated_mask(jnp.asarray([len(prompt) + 1]), n - 1, 2))[0] > 0
+    in_answer[-1] = False
     return int(hit[in_answer].sum()), int(in_answer.sum()), int(hit.sum()), n - 1
 
 

@@ -21,7 +21,8 @@ flags.DEFINE_integer("tokens", 32, "decode steps traced", flag_values=FLAGS)
 flags.DEFINE_integer("top", 12, "kinds of operation printed", flag_values=FLAGS)
 
 # Events of the runtime and of Python, not of an XLA operation.
-_NOT_OPS = ("Thunk", "$", "Pjit", "Common", "Handle", "ParseArguments", "end: ")
+_NOT_OPS = ("Thunk", "$", "Pjit", "Common", "Handle", "ParseArguments", "end: ", "DevicePut",
+            "shard_args")
 
 
 def op_kinds(events: list[dict], steps: int) -> list[dict]:
@@ -63,14 +64,17 @@ def run(*, dtype: str, batch: int, prompt_len: int, tokens: int, top: int) -> li
     prompts = consecutive_prompts(text_ids(tokenizer, 200_000), batch, prompt_len)
     params = [SamplingParams(ignore_eos=True)] * batch
 
-    def generate() -> None:
-        for _ in decode_stream(steps, prompts, params, tokens + 1, cache_dtype=jnp.dtype(dtype)):
-            pass
+    def stream():
+        return decode_stream(steps, prompts, params, tokens + 1, cache_dtype=jnp.dtype(dtype))
 
-    generate()  # compiles every program the traced run uses
+    for _ in stream():  # compiles every program the traced run uses
+        pass
+    decoding = stream()
+    next(decoding)  # the prefill, outside the trace: the sums are per decode step
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            generate()
+            for _ in decoding:
+                pass
         (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
         with gzip.open(path) as f:
             trace = json.load(f)
