@@ -17,6 +17,8 @@ Parts 2 and 3 (`system`, `chat`) serve SmolLM2 through the engine with the cache
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable
 
 import numpy as np
@@ -180,7 +182,10 @@ def run_system_prompt(model, tokenizer, mesh, work: list, caching: bool) -> dict
     engine = _engine(model, tokenizer, mesh, caching, 2048)
     engine.warmup(progress=True)
     metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
-    return {"system_prompt_tokens": len(work[0].prompt_ids) - 48,
+    # What every request's prompt shares: the system prompt inside its chat template (request
+    # 0's length less a guess at its question moved with the seed).
+    shared = os.path.commonprefix([list(w.prompt_ids) for w in work])
+    return {"system_prompt_tokens": len(shared),
             "engine_devices": engine_devices(engine),
             **engine.prefix_cache_stats(), **summarize(metrics, wall, records)}
 
