@@ -319,7 +319,7 @@ def in_process(items: Sequence[Scheduled], model: str, dtype: str, max_num_seqs:
             for i in items]
     serve_infer(llm.engine, work[:1], "untimed first request")  # as the HTTP client does
     metrics, _, _, wall = serve_infer(llm.engine, work, "in process", max_concurrency)
-    return [Measured(ok=True, ttft_s=m.ttft_s, latency_s=m.e2e_s, itl_s=list(m.itl_s),
+    return [Measured(ok=True, ttft_s=m.ttft_s, latency_s=m.e2e_s, itl_s=list(m.step_gaps),
                      output_tokens=m.num_output_tokens, prompt_tokens=m.num_prompt_tokens,
                      start_s=m.arrival_s) for m in metrics], wall
 

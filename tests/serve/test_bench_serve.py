@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("aiohttp")
 from experiments import bench_serve  # noqa: E402
 from experiments.bench_serve import Measured, Scheduled  # noqa: E402
+from infer.engine.request import RequestMetrics  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -148,12 +149,9 @@ class _Engine:
             if len(times) == self.steps:
                 del self.running[rid]
                 self.finished_at[rid] = times[-1]
-                gaps = tuple(b - a for a, b in zip(times, times[1:]))
-                outs.append(types.SimpleNamespace(request_id=rid, finished=True, metrics=(
-                    types.SimpleNamespace(arrival_s=arrival, ttft_s=times[0] - arrival,
-                                          e2e_s=times[-1] - arrival,
-                                          itl_s=gaps, num_output_tokens=len(times),
-                                          num_prompt_tokens=n))))
+                outs.append(types.SimpleNamespace(
+                    request_id=rid, finished=True,
+                    metrics=RequestMetrics.from_token_times(arrival, times, n)))
         return outs
 
     def step_records(self, since: int = 0) -> list:
