@@ -41,7 +41,10 @@ LLAMA3_70B_BF16_BYTES = 327_680
 def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
                weight_dtype: str, overhead_fraction: float, contexts: list[int]) -> dict:
     """One model × format point; a model whose weights leave no room gets fits=False, 0 users."""
-    from infer.cache.budget import GB, gqa_saving, kv_bytes_per_token, kv_format_name, memory_budget
+    import dataclasses
+
+    from infer.cache.budget import (GB, gqa_saving, kv_bytes_per_sequence, kv_bytes_per_token,
+                                    kv_format_name, memory_budget)
     from infer.model.config import get_config
 
     config = get_config(model)
@@ -51,8 +54,12 @@ def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
                            overhead_fraction=overhead_fraction)
     ideal = kv_bytes_per_token(config, name, include_scales=False)
     ideal_tokens = max(0, int(budget.kv_bytes_available // ideal))
-    # Full multi-head attention would keep one KV head per query head.
-    mha = kv_bytes_per_token(config.replace(num_kv_heads=config.num_heads), name)
+    # Full multi-head attention would keep one KV head per query head (and, for int4_kivi, one
+    # window per head per sequence): the same budget's arithmetic with those sizes.
+    wide = config.replace(num_kv_heads=config.num_heads)
+    mha = kv_bytes_per_token(wide, name)
+    mha_budget = dataclasses.replace(budget, kv_bytes_per_token=mha,
+                                     kv_bytes_per_sequence=kv_bytes_per_sequence(wide, name))
     usable = budget.gpu_memory_bytes - budget.overhead_bytes
     row = {
         "experiment": "memory_budget", "model": model, "kv_format": name,
@@ -71,7 +78,7 @@ def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
     for ctx in contexts:
         row[f"max_users_{ctx}"] = budget.max_users(ctx)
         row[f"max_users_ideal_{ctx}"] = ideal_tokens // ctx
-        row[f"max_users_mha_{ctx}"] = max(0, int(budget.kv_bytes_available // mha)) // ctx
+        row[f"max_users_mha_{ctx}"] = mha_budget.max_users(ctx)
     return row
 
 

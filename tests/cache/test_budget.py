@@ -92,3 +92,19 @@ def test_int4_kivi_costs_its_codes_per_token_and_its_window_per_sequence():
     b = memory_budget(config, gpu_memory_gb=80, kv_format="int4_kivi")
     assert b.max_users(2048) == int(b.kv_bytes_available // (2048 * per_token + window))
     assert b.max_users(2048) < b.max_cached_tokens // 2048
+
+
+def test_the_mha_comparison_holds_each_sequences_window_too():
+    """memory_budget's "with full multi-head attention" users: the same budget with one KV head
+    per query head, int4_kivi's per-sequence window widened alike (it was left out)."""
+    from experiments.memory_budget import budget_row
+
+    kw = dict(gpus=1, gpu_memory_gb=80.0, weight_dtype="bfloat16", overhead_fraction=0.1,
+              contexts=[4096])
+    plain = budget_row("llama-3-8b", "bfloat16", **kw)  # no window: tokens over 4096
+    tokens = int(plain["kv_gb_available"] * 1e9 // plain["mha_kv_bytes_per_token"])
+    assert plain["mha_kv_bytes_per_token"] == 4 * plain["kv_bytes_per_token"]  # 32 / 8 heads
+    assert plain["max_users_mha_4096"] == tokens // 4096 > 0
+    kivi = budget_row("llama-3-8b", "int4_kivi", **kw)
+    without_window = int(kivi["kv_gb_available"] * 1e9 // kivi["mha_kv_bytes_per_token"]) // 4096
+    assert 0 < kivi["max_users_mha_4096"] < without_window
