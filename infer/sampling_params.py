@@ -60,10 +60,13 @@ class StructuredOutput:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        problems = []
         if isinstance(self.json, dict):
             # Key order kept: a schema's property order is the order the output follows.
-            object.__setattr__(self, "json", json.dumps(self.json))
-        problems = []
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json))
+            except (TypeError, ValueError) as e:
+                problems.append(f"json must be a JSON schema (a dict JSON can encode): {e}")
         if isinstance(self.choice, str):
             # A string is a sequence too: taken as one, "positive" would allow "p", "o", "s"...
             problems.append(f"choice must be a sequence of strings, got the string "

@@ -69,12 +69,17 @@ class TokenConstraint:
         """Writes the tokens allowed next into row `row` of an int32 bitmask [B, words]."""
         fill_bitmask([(row, self)], bitmask)
 
-    def consume(self, token: int) -> None:
-        """Advances past an emitted token. A token outside the mask is a bug in the path that
-        sampled it (every constrained step applies the mask), never a model's choice."""
-        if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"token {token} was sampled outside its structured-output mask: "
-                               f"{self._matcher.get_error()}")
+    def consume(self, token: int) -> bool:
+        """Advances past an emitted token; False when the matcher refuses it. Every constrained
+        step samples under the mask, yet llguidance can allow a special token whose text a
+        grammar spells out (`<|im_end|>` in a regex) and then refuse the token itself: the
+        request must end there, not the step."""
+        return bool(self._matcher.consume_token(int(token)))
+
+    @property
+    def error(self) -> str:
+        """Why the matcher refused, after `consume` returned False."""
+        return self._matcher.get_error()
 
     @property
     def done(self) -> bool:
@@ -135,6 +140,12 @@ class GrammarCompiler:
         if error:
             raise ValueError(f"invalid structured output: {error.strip()}")
         matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid structured output: {matcher.get_error()}")
-        return TokenConstraint(matcher, self._executor)
+        constraint = TokenConstraint(matcher, self._executor)
+        # A constraint whose language is empty (the regex "[a&&b]") only shows it once its first
+        # mask is computed: the request would end at once, its output outside the language.
+        first = np.zeros((1, mask_words(self.vocab_size)), np.int32)
+        constraint.fill(first, 0)
+        if matcher.is_error() or matcher.is_stopped() or not first.any():
+            raise ValueError(f"invalid structured output: no output satisfies it "
+                             f"({matcher.get_error() or 'nothing is allowed first'})")
+        return constraint

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Sequence
@@ -221,13 +222,20 @@ class Request:
         returns True when the request is finished."""
         if self.finished:
             raise RuntimeError(f"request {self.request_id} already finished ({self.finish_reason})")
+        if self.logprobs is not None and (logprob is None or logprob.token_id != int(token)):
+            raise RuntimeError(f"request {self.request_id} asked for logprobs, but the step "
+                               f"that emitted token {token} brought {logprob}")
+        if self.constraint is not None and not self.constraint.consume(token):
+            # The grammar refused a token its own mask allowed (`TokenConstraint.consume`):
+            # this request ends without it, aborted; the others in the batch go on.
+            logging.getLogger("infer").error(
+                "request %s: structured output refused token %d (%s); aborting the request",
+                self.request_id, int(token), self.constraint.error)
+            self.finish_reason = FinishReason.ABORT
+            self._extend_text(final=True)
+            return True
         if self.logprobs is not None:
-            if logprob is None or logprob.token_id != int(token):
-                raise RuntimeError(f"request {self.request_id} asked for logprobs, but the step "
-                                   f"that emitted token {token} brought {logprob}")
             self.logprobs.append(logprob)
-        if self.constraint is not None:
-            self.constraint.consume(token)
         self.output_ids.append(int(token))
         now = time.perf_counter() if now is None else now
         if self.token_times:

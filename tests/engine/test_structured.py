@@ -145,11 +145,24 @@ def test_an_invalid_constraint_is_refused_when_compiled(compiler, spec, message)
         compiler.constraint(StructuredOutput(**spec))
 
 
-def test_a_token_outside_the_mask_is_an_error_not_a_silent_output(compiler, smollm2) -> None:
+def test_a_token_outside_the_mask_is_refused_not_a_silent_output(compiler, smollm2) -> None:
     _, _, tokenizer = smollm2
     constraint = compiler.constraint(StructuredOutput(choice=CHOICES))
-    with pytest.raises(RuntimeError, match="outside its structured-output mask"):
-        constraint.consume(tokenizer.encode("zebra", add_bos=False)[0])
+    assert not constraint.consume(tokenizer.encode("zebra", add_bos=False)[0])
+    assert constraint.error
+
+
+@pytest.mark.parametrize("spec", [dict(regex="[a&&b]"), dict(regex=r"[^\s\S]")])
+def test_a_constraint_nothing_satisfies_is_refused_when_compiled(compiler, spec) -> None:
+    """Its matcher shows it only once the first mask is computed: the request would otherwise
+    end at once, 'successfully', with an output outside the language."""
+    with pytest.raises(ValueError, match="no output satisfies it"):
+        compiler.constraint(StructuredOutput(**spec))
+
+
+def test_a_schema_json_cannot_encode_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="json must be a JSON schema"):
+        StructuredOutput(json={"type": "object", "x": {1, 2}})
 
 
 # -- the engine -----------------------------------------------------------------------------------
@@ -242,6 +255,18 @@ def test_constraints_with_speculation_and_mixed_steps(smollm2_4_layers, engine) 
     got = _run(mixed, staggered)
     assert any(r.kind == "mixed" for r in mixed.records)
     assert [o.token_ids for o in got] == [o.token_ids for o in _run(engine, staggered)]
+
+
+def test_a_grammar_that_spells_a_special_token_ends_its_request_not_the_batch(engine) -> None:
+    """llguidance's mask allows the special token whose text the choice spells, then refuses it
+    (it prefixes special tokens with a byte no text has): that request is aborted, the plain
+    one beside it finishes, and the engine is left with nothing unfinished."""
+    jobs = [(PROMPT, SamplingParams(max_tokens=8, structured=StructuredOutput(
+        choice=("<|im_end|>",)))), (PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))]
+    special, plain = _run(engine, jobs)
+    assert special.finish_reason.value in ("abort", "stop")
+    assert plain.finish_reason.value == "length" and len(plain.token_ids) == 5
+    assert not engine.has_unfinished()
 
 
 def test_a_bad_constraint_is_refused_before_the_engine_changes(engine) -> None:
