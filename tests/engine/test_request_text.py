@@ -40,8 +40,9 @@ class _Ends:
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def consume(self, token: int) -> None:
+    def consume(self, token: int) -> bool:
         self.n -= 1
+        return True
 
     @property
     def done(self) -> bool:
