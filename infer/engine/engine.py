@@ -167,9 +167,6 @@ class Engine:
                 raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = validate_request(prompt_token_ids, params, self.limits)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need the engine's tokenizer (without one they could "
-                             "never match): use stop_token_ids")
         constraint = None
         if params.structured is not None:
             if self.runner.mirror is not None:

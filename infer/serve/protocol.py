@@ -115,8 +115,8 @@ _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "json_schema", "r
 # OpenAI's and vLLM's APIs: a completion client sending it gets the log line, not a silent 16).
 _KNOWN = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop",
           "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "stream", "stream_options",
-          "return_token_ids", "request_id", "user", "add_special_tokens", "logprobs", "top_logprobs"} | set(_NEUTRAL) \
-    | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
+          "return_token_ids", "request_id", "user", "add_special_tokens", "logprobs",
+          "top_logprobs"} | set(_NEUTRAL) | set(_REMOVED_GUIDED) | set(_CONSTRAINT_FIELDS)
 _ENDPOINT_FIELDS = {"completion": {"prompt"},
                     "chat": {"messages", "max_completion_tokens", "add_generation_prompt",
                              "parallel_tool_calls"}}

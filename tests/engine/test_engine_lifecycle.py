@@ -170,7 +170,7 @@ def test_a_huge_top_k_does_not_fail_its_batch(tiny_model) -> None:
 def test_stop_strings_are_refused_without_a_tokenizer(tiny_model) -> None:
     """Without text they could never match: refused, as structured output is, not ignored."""
     engine = tiny_engine(tiny_model)
-    with pytest.raises(ValueError, match="stop strings need the engine's tokenizer"):
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):  # Request's check
         engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(stop=["a"],
                                                                           max_tokens=4))
     assert not engine.has_unfinished()
