@@ -30,13 +30,22 @@ def define_trainer_flags(flag_values: Any, *, epochs: int, lr: float, clip: floa
 
 
 def training_split(path: str, max_sequences: int) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(dataset, train indices, held-out indices) of the file at `path`: 10% of its first
-    `max_sequences` sequences (all when <= 0) held out, the same ones every run."""
+    """(dataset, train indices, held-out indices) of the file at `path`: 10% of its sequences
+    held out, the same ones every run; with `max_sequences` > 0, only those of the first
+    `max_sequences` (training and held-out alike). The split is always the whole file's: one
+    of the first m sequences alone would train on sequences that a run over the whole file (an
+    `--init` continuation, `draft_vocab --data`) holds out, and hold out ones it trained on."""
     from experiments.spec_data import load_training_data
 
     dataset = load_training_data(path)
     n = len(dataset["lengths"])
-    train_idx, held_idx = split_heldout(n if max_sequences <= 0 else min(max_sequences, n), 0.1)
+    train_idx, held_idx = split_heldout(n, 0.1)
+    if 0 < max_sequences < n:
+        train_idx = train_idx[train_idx < max_sequences]
+        held_idx = held_idx[held_idx < max_sequences]
+        if not len(held_idx):
+            raise ValueError(f"the first {max_sequences} sequences of {path!r} hold none of its "
+                             f"held-out ones: pass a larger --max_sequences")
     return dataset, train_idx, held_idx
 
 

@@ -3,11 +3,14 @@ held-out split and the trainers' batches."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 from absl import flags
 
 from experiments.common import flag_kwargs
-from experiments.training import batches
+from experiments.training import batches, training_split
 from experiments.workloads import pareto_lengths, poisson_pareto, split_heldout
 
 
@@ -66,3 +69,24 @@ def test_batches_pad_the_last_one_with_empty_rows() -> None:
     shuffled = list(batches(data, range(n), 2, np.random.default_rng(0)))
     assert sorted(int(r[0]) for b in shuffled for r, length in zip(b[0], b[2]) if length) == [
         0, 4, 8, 12, 16]
+
+
+def test_max_sequences_keeps_the_whole_files_split(tmp_path) -> None:
+    """A run over the first m sequences (`--max_sequences`) never trains on a sequence that a
+    run over the whole file holds out, nor holds out one that run trains on: its split is the
+    whole file's, restricted to the first m."""
+    rng = np.random.default_rng(14)
+    for n in rng.integers(20, 400, 6):
+        path = str(tmp_path / f"data_{n}.npz")
+        np.savez(path, tokens=np.zeros((n, 2), np.int32), hidden=np.zeros((n, 2, 1), np.float16),
+                 lengths=np.full(n, 2, np.int32), prompt_lens=np.ones(n, np.int32),
+                 meta=np.array(json.dumps({})))
+        _, train, held = training_split(path, 0)
+        assert sorted([*train, *held]) == list(range(n)) and not set(train) & set(held)
+        for m in (*rng.integers(int(held.min()) + 1, n + 1, 4), n, n + 5):
+            _, train_m, held_m = training_split(path, int(m))
+            assert set(train_m) == {i for i in train if i < m}, (n, m)
+            assert set(held_m) == {i for i in held if i < m}, (n, m)
+        if held.min() > 0:  # the first rows hold no held-out one: refused, not an empty split
+            with pytest.raises(ValueError, match="max_sequences"):
+                training_split(path, int(held.min()))
