@@ -60,8 +60,11 @@ flags.DEFINE_integer("seed", 0, "initialization, shuffling and noise seed", flag
 flags.DEFINE_string("weights", "weights/eagle_smollm2.safetensors", "output weights",
                     flag_values=FLAGS)
 flags.DEFINE_string("init", "", "continue training from these weights (empty: random init); "
-                    "an EAGLE-1 head with --feature_layers starts an EAGLE-3 head that drafts "
-                    "as it does (`from_eagle1`)", flag_values=FLAGS)
+                    "the weights only: the optimizer's moments, the step count and the warmup "
+                    "and cosine schedule (over this run's --epochs) start afresh, and the same "
+                    "--seed shuffles as the earlier run did; an EAGLE-1 head with "
+                    "--feature_layers starts an EAGLE-3 head that drafts as it does "
+                    "(`from_eagle1`)", flag_values=FLAGS)
 flags.DEFINE_list("feature_layers", [], "EAGLE-3: the target layers whose outputs the head fuses "
                   "with the final hidden state (the data must hold them: spec_data "
                   "--feature_layers); empty: EAGLE-1", flag_values=FLAGS)
