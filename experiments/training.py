@@ -86,8 +86,10 @@ def make_optimizer(*, lr: float, total_steps: int, warmup_steps: int, weight_dec
     import jax
     import optax
 
+    # No floor of one warmup step: its learning rate is 0, so `--warmup=0` would still waste
+    # the first step, and a one-step run would train nothing.
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, max(1, min(warmup_steps, total_steps - 1)), max(total_steps, 2), lr * 0.05)
+        0.0, lr, max(0, min(warmup_steps, total_steps - 1)), max(total_steps, 1), lr * 0.05)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
     return optax.chain(optax.clip_by_global_norm(clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,

@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 
 from experiments.common import flag_kwargs
-from experiments.training import batches, training_split
+from experiments.training import batches, make_optimizer, training_split
 from experiments.workloads import pareto_lengths, poisson_pareto, split_heldout
 
 
@@ -90,3 +90,18 @@ def test_max_sequences_keeps_the_whole_files_split(tmp_path) -> None:
         if held.min() > 0:  # the first rows hold no held-out one: refused, not an empty split
             with pytest.raises(ValueError, match="max_sequences"):
                 training_split(path, int(held.min()))
+
+
+def test_schedule_warms_up_for_the_steps_asked_only() -> None:
+    """Linear warmup from 0 over `warmup_steps`, then cosine decay to 5% of lr by the last
+    step; no warmup asked (or a one-step run): the first step already trains at lr."""
+    rng = np.random.default_rng(15)
+    for total in (1, 2, *rng.integers(3, 300, 8)):
+        for warmup in (0, *rng.integers(1, total + 1, 2)):
+            _, schedule = make_optimizer(lr=1e-3, total_steps=int(total),
+                                         warmup_steps=int(warmup), weight_decay=0.0, clip=1.0)
+            lrs = np.array([float(schedule(i)) for i in range(int(total))])
+            w = min(int(warmup), int(total) - 1)
+            ramp = 1e-3 * np.arange(w + 1) / w if w else np.array([1e-3])
+            np.testing.assert_allclose(lrs[:w + 1], ramp, atol=1e-9, err_msg=f"{total} {warmup}")
+            assert (lrs[w:] > 0).all() and (np.diff(lrs[w:]) <= 1e-9).all(), (total, warmup)
