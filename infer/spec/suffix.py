@@ -375,7 +375,8 @@ class SuffixProposer:
     from the request's tokens at each proposal) and from a shared corpus of finished requests'
     outputs (and prompts, with `corpus_prompts`), at most `corpus_tokens` tokens, oldest out
     first; 0 turns the corpus off. A request enters the corpus when the engine forgets it
-    finished (or aborted); a preempted request is only dropped, and rebuilt when it runs again.
+    finished (or aborted); a preempted request's index is only dropped, and rebuilt when it
+    runs again.
     """
 
     samples_drafts = False
@@ -390,7 +391,9 @@ class SuffixProposer:
         self.corpus_prompts = corpus_prompts
         self.corpus = SuffixCorpus(corpus_tokens, self.depth) if corpus_tokens else None
         self._indexes: dict[str, SuffixIndex] = {}
-        self._requests: dict[str, Request] = {}  # seen in a step, so forget can add it
+        # Every request seen in a step (prefill, decode or verify) until the engine forgets it
+        # finished, so that forget can add it to the corpus.
+        self._requests: dict[str, Request] = {}
 
     def _index(self, seq: SeqState) -> SuffixIndex:
         request = seq.request
@@ -419,16 +422,25 @@ class SuffixProposer:
             self._requests.setdefault(seq.request.request_id, seq.request)
 
     def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None:
-        pass
+        # A request may finish in a prefill, never to reach a decode step: max_tokens=1, or a
+        # preempted one whose recompute emits its last token. It should reach the corpus too.
+        for chunk in chunks:
+            self._requests.setdefault(chunk.seq.request.request_id, chunk.seq.request)
 
     def warmup(self) -> int:
         return 0
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
-        request = self._requests.pop(request_id, None)
-        if request is None or not request.finished or self.corpus is None:
-            return  # preempted (it runs again, and is added when it finishes) or never seen
+        request = self._requests.get(request_id)
+        if request is None or not request.finished:
+            # Never seen, or preempted: it runs again (its index is rebuilt then) and the
+            # engine forgets it once more when it finishes or is aborted, even from the queue;
+            # its Request stays until then, so that its tokens reach the corpus.
+            return
+        del self._requests[request_id]
+        if self.corpus is None:
+            return
         tokens = request.output_ids
         self.corpus.add(request.prompt_token_ids + tokens if self.corpus_prompts else tokens)
 

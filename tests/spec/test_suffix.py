@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 
+from infer.engine.plan import PrefillChunk
 from infer.engine.request import Request
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig, make_proposer
@@ -225,6 +226,19 @@ def test_forget_adds_finished_requests_to_the_corpus() -> None:
     proposer.propose([preempted], [2], 1, 4)
     proposer.forget("c")
     assert proposer.corpus.num_tokens == 6 and "c" not in proposer._indexes
+    # Its recompute's prefill emits its last token: no step after the preemption proposed
+    # for it or committed it, and it still enters the corpus when it finishes.
+    preempted.request.output_ids.append(23)
+    preempted.request.abort()
+    proposer.forget("c")
+    assert list(proposer.corpus.sequences)[-1] == [22, 23] and "c" not in proposer._requests
+
+    # A request seen only in a prefill (max_tokens=1) enters it too.
+    prefilled = make_seq("p", [1, 2], [24])
+    proposer.observe_prefill([PrefillChunk(prefilled, 0, (1, 2))], None)
+    prefilled.request.abort()
+    proposer.forget("p")
+    assert list(proposer.corpus.sequences)[-1] == [24] and "p" not in proposer._requests
 
     # A request seen only in commits (plain steps) still enters the corpus when it finishes.
     plain = make_seq("d", [1], [30, 31])
@@ -232,6 +246,7 @@ def test_forget_adds_finished_requests_to_the_corpus() -> None:
     plain.request.abort()
     proposer.forget("d")
     assert list(proposer.corpus.sequences)[-1] == [30, 31]
+    assert proposer.corpus.num_tokens == 6 + 2 + 1 + 2
 
     with_prompts = SuffixProposer(max_match=4, max_draft=4, corpus_tokens=64,
                                   corpus_prompts=True)
