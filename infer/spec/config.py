@@ -89,8 +89,11 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; known: "
                              f"{SPECULATIVE_METHODS}")
-        if not 1 <= self.num_tokens <= 16:
-            raise ValueError(f"num_tokens must be in [1, 16], got {self.num_tokens}")
+        # An int first: 2.5 or True passed the range check and failed later in the suffix
+        # check, whose message named suffix_max_draft whatever the method.
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) \
+                or not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"num_tokens must be an int in [1, 16], got {self.num_tokens!r}")
         if self.tree is not None:
             if self.method != "eagle":
                 raise ValueError(f"tree speculation drafts with an EAGLE head: method must be "

@@ -299,6 +299,13 @@ def test_bad_parameters_are_refused(kwargs, message) -> None:
             SpeculativeConfig("suffix", **fields)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self_draft"])
+@pytest.mark.parametrize("num_tokens", [0, 17, 2.5, True, "4", None])
+def test_num_tokens_is_an_int_in_range_for_every_method(method, num_tokens) -> None:
+    with pytest.raises(ValueError, match=r"num_tokens must be an int in \[1, 16\]"):
+        SpeculativeConfig(method, num_tokens)
+
+
 def test_config_builds_the_proposer() -> None:
     config = SpeculativeConfig("suffix", 6, suffix_max_match=10, suffix_spec_factor=2.0,
                                suffix_min_prob=0.3, suffix_corpus_tokens=500,
