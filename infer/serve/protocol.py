@@ -492,9 +492,16 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     n, stream, include_usage, continuous_usage = _check_common(body, served, "chat")
     if not isinstance(body.get("messages"), list):
         raise ApiError(400, "messages is required: a list of {role, content}", "messages")
-    text = served.tokenizer.apply_chat_template(
-        chat_messages(body["messages"]),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    messages = chat_messages(body["messages"])
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    try:
+        text = served.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        # The template refused these messages (its raise_exception: roles out of the order it
+        # takes, say) or the model has none: the request's to change, a 400 as in vLLM, not
+        # an internal error a client would retry.
+        raise ApiError(400, str(e), "messages") from None
     # As LLM.chat does: the rendered template is the prompt, its special tokens the template's
     # own; vLLM's chat adds none unless add_special_tokens is true (and then no second BOS).
     prompt_ids = served.tokenizer.encode(text, add_bos=bool(_add_special_tokens(body)))
