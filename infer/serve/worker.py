@@ -64,6 +64,9 @@ class EngineWorker:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Orders submits against the thread's death: a submit either sees `error` or is in
+        # the inbox by the time the dying thread empties it (and answers it with the error).
+        self._submit_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sinks: dict[str, Sink] = {}  # live request id -> where its outputs go
@@ -84,9 +87,10 @@ class EngineWorker:
             self._thread.join(timeout_s)
 
     def submit(self, requests: Sequence[Request], sink: Sink) -> None:
-        if self.error is not None:
-            raise EngineDied(f"the engine stopped: {self.error!r}")
-        self._inbox.put(_Submit(list(requests), sink))
+        with self._submit_lock:
+            if self.error is not None:
+                raise EngineDied(f"the engine stopped: {self.error!r}")
+            self._inbox.put(_Submit(list(requests), sink))
 
     def abort(self, request_ids: Sequence[str], sink: Sink) -> None:
         """Aborts those of `request_ids` that deliver to `sink`: a job refused for a duplicate
@@ -112,7 +116,8 @@ class EngineWorker:
                     self._step()
         except BaseException as e:  # noqa: B902 - every waiting client must hear of it
             log.exception("the engine thread stopped")
-            self.error = e
+            with self._submit_lock:
+                self.error = e
             self._fail_all(e)
         finally:
             for replica in self.replicas:  # a stopped server frees every request's pages
@@ -181,8 +186,18 @@ class EngineWorker:
         self._loop.call_soon_threadsafe(_deliver_all, [(sink, item)])
 
     def _fail_all(self, error: BaseException) -> None:
+        """Every job still waiting hears of `error`: those with requests in the engine, and
+        those whose submit sits in the inbox, queued while the step that failed ran (no more
+        can come: `submit` sees `error` now)."""
         sinks = {id(s): s for s in self._sinks.values()}
         self._sinks.clear()
+        while True:
+            try:
+                command = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if isinstance(command, _Submit):
+                sinks[id(command.sink)] = command.sink
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(
                 _deliver_all, [(s, EngineDied(f"the engine stopped: {error!r}"))

@@ -151,3 +151,46 @@ def test_a_job_stream_ends_when_its_error_is_read_not_when_it_arrives() -> None:
 
     first, error = asyncio.run(read())
     assert first is tokens and isinstance(error, RuntimeError) and stream.done
+
+
+def test_requests_queued_while_the_engine_dies_hear_of_it(smollm2_4_layers) -> None:
+    """Requests submitted while the step that kills the engine thread runs wait in its inbox,
+    not yet in the engine: each must still get an error, not wait for ever."""
+    import concurrent.futures
+    import threading
+
+    http, thread, running = start_server(smollm2_4_layers, max_num_seqs=2, max_model_len=64,
+                                         max_prefill_tokens=16)
+    engine, worker = running.server.engine, running.server.worker
+    entered, fail = threading.Event(), threading.Event()
+
+    def failing_step():
+        entered.set()
+        fail.wait(60)
+        raise RuntimeError("device lost")
+
+    engine.step = failing_step
+    url = f"{running.url}/v1/completions"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(httpx.post, url, timeout=60,
+                                json={"prompt": "Once upon a time", "max_tokens": 4})
+            assert entered.wait(60)
+            queued = [pool.submit(httpx.post, url, timeout=20, json={
+                "prompt": "Hello", "max_tokens": 4, "stream": stream})
+                for stream in (False, True, False)]
+            deadline = time.monotonic() + 60
+            while worker._inbox.qsize() < len(queued):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            fail.set()
+            assert first.result().status_code == 500
+            for q in queued:
+                r = q.result()  # httpx.ReadTimeout: the request was never answered
+                assert r.status_code in (200, 500), r.text
+                assert "device lost" in r.text, r.text  # a stream's 200 carries an error event
+        assert httpx.get(f"{running.url}/health").status_code == 503
+    finally:
+        fail.set()
+        http.should_exit = True
+        thread.join(30)
