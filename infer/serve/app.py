@@ -113,20 +113,16 @@ class Server:
         return JSONResponse({"version": _git_revision()})
 
     async def tokenize(self, request: HttpRequest) -> Response:
-        body = await _json_body(request)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be a string", "prompt")
-        add = body.get("add_special_tokens")
-        tokens = self.served.tokenizer.encode(prompt, add_bos=None if add is None else bool(add))
+        prompt, add_bos = protocol.parse_tokenize(await _json_body(request))
+        tokens = self.served.tokenizer.encode(prompt, add_bos=add_bos)
         return JSONResponse({"tokens": tokens, "count": len(tokens),
                              "max_model_len": self.served.max_model_len})
 
     async def detokenize(self, request: HttpRequest) -> Response:
-        body = await _json_body(request)
+        tokens = protocol.parse_detokenize(await _json_body(request))
         try:
-            text = self.served.tokenizer.decode(body.get("tokens"))
-        except (ValueError, TypeError) as e:
+            text = self.served.tokenizer.decode(tokens)
+        except ValueError as e:  # an id outside the vocabulary
             raise ApiError(400, f"tokens: {e}", "tokens") from None
         return JSONResponse({"prompt": text})
 

@@ -442,6 +442,25 @@ def _add_special_tokens(body: Mapping) -> bool | None:
     return None if value is None else _bool(body, "add_special_tokens", True)
 
 
+def parse_tokenize(body: Mapping) -> tuple[str, bool | None]:
+    """/tokenize's prompt and whether to add BOS (None: the tokenizer's own setting), checked
+    as the completion fields of the same names are ("no" is not true)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string", "prompt")
+    return prompt, _add_special_tokens(body)
+
+
+def parse_detokenize(body: Mapping) -> list[int]:
+    """/detokenize's token ids: a list of ints, as a prompt's ids are (not floats, which int()
+    would truncate, nor booleans)."""
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(is_integer(t) for t in tokens)):
+        raise ApiError(400, f"tokens must be a list of token ids (ints), got {tokens!r:.80}",
+                       "tokens")
+    return [int(t) for t in tokens]
+
+
 def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
                      arrival_s: float) -> Job:
     n, stream, include_usage, continuous_usage = _check_common(body, served, "completion")

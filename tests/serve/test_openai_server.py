@@ -410,6 +410,25 @@ def test_tokenize_and_detokenize(running) -> None:
     assert back["prompt"] == PROMPTS[0]
 
 
+TOKENIZE_BAD = [
+    ("tokenize", {"prompt": "Hi", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("tokenize", {"prompt": "Hi", "add_special_tokens": 0}, "add_special_tokens"),
+    ("tokenize", {"prompt": ["Hi"]}, "prompt"),
+    ("detokenize", {"tokens": [72.9]}, "tokens"), ("detokenize", {"tokens": [True]}, "tokens"),
+    ("detokenize", {"tokens": "72"}, "tokens"), ("detokenize", {}, "tokens"),
+    ("detokenize", {"tokens": [10**30]}, "tokens"),
+]
+
+
+def test_tokenize_and_detokenize_refuse_ill_typed_fields(running) -> None:
+    """Each a 400 naming the field, as the completion fields of the same names: "no" is not
+    a request for BOS, nor is 72.9 token 72."""
+    for path, body, param in TOKENIZE_BAD:
+        r = httpx.post(f"{running.url}/{path}", json=body, timeout=30)
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_a_client_that_times_out_aborts_its_whole_request(running) -> None:
     before = metrics(running)
     with pytest.raises(httpx.ReadTimeout):
