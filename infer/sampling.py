@@ -35,6 +35,13 @@ from infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+# The largest temperature the device sees. A finite one past float32's range became inf there,
+# and a token a structured-output mask set to -inf then had logit -inf / inf = NaN, which the
+# draw took for token 0 whatever the mask allowed; an inf temperature also sent every logit to
+# 0, so top-k kept the whole vocabulary as ties. Past 1e30 the clamp changes no probability
+# (logit gaps over 1e30 make every exp 1 in float32), and logits over it keep their order (a
+# logit of magnitude 1e-8 or more stays a normal float).
+_MAX_TEMPERATURE = 1e30
 
 
 @jax.tree_util.register_dataclass
@@ -77,10 +84,11 @@ class SamplingArrays:
         rows = list(params) + pad
         # Built on the host and moved in one device_put: an eager jnp.asarray per field ran a
         # conversion program of its own, four per engine step. A top_k past int32 restricts
-        # nothing, as does one of the vocabulary's size: clamped, it cannot fail the batch.
+        # nothing, as does one of the vocabulary's size: clamped, it cannot fail the batch. A
+        # temperature is clamped too (`_MAX_TEMPERATURE`).
         return jax.device_put(SamplingArrays(
-            temperature=np.asarray([0.0 if p.greedy else p.temperature for p in rows],
-                                   np.float32),
+            temperature=np.asarray([0.0 if p.greedy else min(p.temperature, _MAX_TEMPERATURE)
+                                    for p in rows], np.float32),
             top_k=np.asarray([min(p.top_k, _INT32_MAX) for p in rows], np.int32),
             top_p=np.asarray([p.top_p for p in rows], np.float32),
             seeds=np.asarray([p.seed for p in rows], np.uint32),

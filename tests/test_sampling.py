@@ -4,6 +4,7 @@ streams (the token stream pinned, the draft and verify streams apart from it).""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,35 @@ def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
     logits = np.array([50.0, 60.0, -1.0, 0.5] + [0.0] * (V - 4), np.float32)
     draws = _draws(SamplingParams(temperature=temperature, seed=7), n=50, logits=logits)
     assert (draws == 1).all(), draws
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e39, 1e300, sys.float_info.max])
+def test_a_huge_temperature_keeps_the_mask_and_top_k(temperature: float) -> None:
+    """A temperature past float32's range was inf on the device: a masked logit became
+    -inf / inf = NaN and the draw returned token 0 against the mask, and every logit became 0,
+    so top-k kept the whole vocabulary. Random logits, masks and top-k; many steps each."""
+    rng = np.random.default_rng(int(np.log10(temperature)))
+    vocab, rows, steps = 96, 6, 32
+    logits = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, jnp.float32)
+    allowed_tokens = rng.random((rows, vocab)) < 0.2
+    allowed_tokens[:, 0] = False  # the token a NaN row drew
+    allowed_tokens[np.arange(rows), rng.integers(1, vocab, rows)] = True
+    bits = np.zeros((rows, vocab // 32), np.int64)
+    for t in range(vocab):
+        bits[:, t // 32] |= allowed_tokens[:, t].astype(np.int64) << (t % 32)
+    allowed = bits.astype(np.uint32).view(np.int32)
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(rows)]
+    for step in range(steps):
+        tokens = np.asarray(sample_jit(logits, SamplingArrays.from_params(params, allowed=allowed),
+                                       jnp.full(rows, step, jnp.int32)))
+        assert allowed_tokens[np.arange(rows), tokens].all(), (step, tokens)
+    top_k = rng.integers(1, 6, rows)
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=temperature, top_k=int(k),
+                                                        seed=0) for k in top_k])
+    kept = np.isfinite(np.asarray(warp_logits(logits, arrays)))
+    best = np.argsort(-np.asarray(logits), axis=-1)
+    for row, k in enumerate(top_k):
+        assert sorted(np.flatnonzero(kept[row])) == sorted(best[row, :k]), (row, k)
 
 
 @pytest.mark.parametrize("top_k", [V, 2**31 - 1, 2**31, 2**64])
