@@ -113,16 +113,18 @@ class SampleLogprobs:
 
     logprob: jax.Array  # [B] float32
     rank: jax.Array  # [B] int32
-    top_ids: jax.Array  # [B, K] int32, most likely first
+    top_ids: jax.Array  # [B, K] int32, most likely first (K = min(num_logprobs, V))
     top_logprobs: jax.Array  # [B, K] float32
 
 
 def sample_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> SampleLogprobs:
-    """The logprobs of `tokens` [B] drawn from `logits` [B, V], and the top `num_logprobs`."""
+    """The logprobs of `tokens` [B] drawn from `logits` [B, V], and the top `num_logprobs`
+    (every token, when the vocabulary holds fewer)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(logp, num_logprobs)
+    # The logprobs variant asks for MAX_LOGPROBS whatever the model: top_k past V fails the step.
+    top_logprobs, top_ids = jax.lax.top_k(logp, min(num_logprobs, logp.shape[-1]))
     return SampleLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)
 
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.sampling import (SamplingArrays, argmax, draft_keys, draw, sample, sampling_probs,
-                            token_keys, verify_keys, warp_logits)
-from infer.sampling_params import SamplingParams
+from infer.sampling import (SamplingArrays, argmax, draft_keys, draw, sample, sample_logprobs,
+                            sampling_probs, token_keys, verify_keys, warp_logits)
+from infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 12
 LOGITS = np.log(np.array([30, 20, 12, 9, 8, 6, 5, 4, 3, 1.5, 1, 0.5], np.float32))
@@ -42,6 +42,21 @@ def _chi2_ok(draws: np.ndarray, probs: np.ndarray) -> bool:
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+@pytest.mark.parametrize("vocab", [1, 5, MAX_LOGPROBS - 1, MAX_LOGPROBS, 3 * MAX_LOGPROBS])
+def test_logprobs_of_a_vocabulary_smaller_than_max_logprobs(vocab: int) -> None:
+    """The logprobs variant computes MAX_LOGPROBS alternatives: over fewer ids, top_k failed
+    the whole step. Random logits: every id (or the MAX_LOGPROBS best), most likely first."""
+    rng = np.random.default_rng(vocab)
+    logits = jnp.asarray(rng.standard_normal((3, vocab)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, vocab, 3), jnp.int32)
+    out = sample_logprobs(logits, tokens, MAX_LOGPROBS)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    k = min(vocab, MAX_LOGPROBS)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-logp, axis=-1)[:, :k])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logp, axis=-1)[:, :k])
+    np.testing.assert_allclose(np.asarray(out.logprob), logp[np.arange(3), tokens], rtol=1e-6)
 
 
 def test_greedy_is_argmax_whatever_the_seed() -> None:
