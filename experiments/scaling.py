@@ -90,6 +90,10 @@ MEASURED = ["tiny:1:1:bfloat16", "tiny:2:1:int8", "tiny:4:1:int4", "tiny:2:2:bfl
             "smollm2-135m:3:1:bfloat16", "smollm2-135m:2:1:int4"]
 
 
+# Pages of the measured runner's pools: tiny's head dim of 16 takes no larger int4_kivi page.
+MEASURED_PAGE_SIZE = 16
+
+
 def model_config(name: str) -> Any:
     """A preset, or "tiny-3kv": SmolLM2's 3:1 grouping (6 query, 3 KV heads) at tiny's size,
     as in tests/parallel/test_tensor_parallel.py."""
@@ -134,11 +138,15 @@ def weight_bytes_per_device(config: Any, tensor_parallel: int, weight_dtype: str
     return sharded // tensor_parallel + whole
 
 
-def kv_bytes_per_token_per_device(config: Any, tensor_parallel: int, kv_format: str) -> int:
-    """KV bytes (with scales) one token takes on each device (config already laid out)."""
-    from infer.cache.budget import kv_bytes_per_token
+def kv_bytes_per_token_per_device(config: Any, tensor_parallel: int, kv_format: str,
+                                  page_size: int | None = None) -> int:
+    """KV bytes (with scales) one token takes on each device (config already laid out); an
+    int4_kivi token's at pages of `page_size` (its key codes are per page), budget.py's page
+    when None."""
+    from infer.cache.budget import KIVI_PAGE_SIZE, kv_bytes_per_token
 
-    total = kv_bytes_per_token(config, kv_format)
+    total = kv_bytes_per_token(config, kv_format,
+                               page_size=KIVI_PAGE_SIZE if page_size is None else page_size)
     if total % tensor_parallel:
         raise ValueError(f"{config.name}: {total} KV bytes per token do not split over "
                          f"{tensor_parallel} devices")
@@ -235,7 +243,7 @@ def measure_point(model: str, tensor_parallel: int, data_parallel: int, kv_forma
     from flax import nnx
 
     from infer.cache.budget import kv_format_name
-    from infer.cache.paged import PagedKVCache
+    from infer.cache.paged import PagedKVCache, window_slots
     from infer.engine.runner import Runner, RunnerConfig, Shape
     from infer.model.llama import Llama
     from infer.parallel.hlo import collectives
@@ -269,10 +277,11 @@ def measure_point(model: str, tensor_parallel: int, data_parallel: int, kv_forma
                           f"({predicted})"}
     # Zero weights (rngs=None): placement and compilation see the same arrays as with real ones.
     replicas = place_replicas(Llama(config, dtype, None), parallel)
+    # The pools measured below have the runner's pages: an int4_kivi token is counted at them.
     analytic: dict[str, Any] = {
         "weight_bytes_per_device": weight_bytes_per_device(wide, t, weight_dtype),
-        **{f"kv_bytes_per_token_per_device_{f}": kv_bytes_per_token_per_device(wide, t, f)
-           for f in formats}}
+        **{f"kv_bytes_per_token_per_device_{f}": kv_bytes_per_token_per_device(
+            wide, t, f, page_size=MEASURED_PAGE_SIZE) for f in formats}}
     found: dict[str, Any] = {}
     problems = []
     devices_seen: set = set()
@@ -288,13 +297,15 @@ def measure_point(model: str, tensor_parallel: int, data_parallel: int, kv_forma
         if max(held.values()) != found["weight_bytes_per_device"]:
             problems.append(f"replica {i} holds {max(held.values())} weight bytes per device")
     placed, mesh = replicas[0]
-    runner = Runner(placed, RunnerConfig(num_pages=8, page_size=16, max_num_seqs=rows,
-                                         max_model_len=64, kv_format=fmt), mesh=mesh)
+    runner = Runner(placed, RunnerConfig(num_pages=8, page_size=MEASURED_PAGE_SIZE,
+                                         max_num_seqs=rows, max_model_len=64, kv_format=fmt),
+                    mesh=mesh)
     slots = runner.config.num_pages * runner.config.page_size
     for f in formats:
+        # The runner's windows too (int4_kivi's, one per sequence; none for other formats).
         cache = runner.cache if f == fmt else PagedKVCache.create(
             wide.num_layers, runner.config.num_pages, runner.config.page_size,
-            wide.num_kv_heads, wide.head_dim, f, mesh=mesh)
+            wide.num_kv_heads, wide.head_dim, f, mesh=mesh, num_windows=window_slots(f, rows))
         arrays = list(cache.k + cache.v + (cache.k_scales or ()) + (cache.v_scales or ()))
         held = bytes_per_device(arrays)
         if len(set(held.values())) != 1:

@@ -133,3 +133,20 @@ def test_a_disagreement_fails_loudly(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="1 measured point"):
         scaling.run(**{**SWEEP, "models": []}, measure=["tiny:2:1:int8"],
                     out=str(tmp_path / "s.jsonl"))
+
+
+def test_int4_kivi_pools_are_measured_and_counted_at_the_runners_pages():
+    """An int4_kivi pool beside a point's own (and the arithmetic it is checked against): its
+    key codes are per page, so a token's bytes are counted at the measured runner's pages, not
+    budget.py's 32 (which tiny's head dim of 16 cannot even lay out), and its pool is made with
+    the runner's windows, one per sequence."""
+    from infer.cache import kivi
+
+    row = scaling.measure_point("tiny", 2, 1, "bfloat16", kv_formats=["int4_kivi"],
+                                weight_dtype="bfloat16", rows=2)
+    assert row["status"] == "ok", row["status"]
+    config = scaling.model_config("tiny")
+    per_head = sum(kivi.bytes_per_token(config.head_dim, scaling.MEASURED_PAGE_SIZE))  # K + V
+    expected = config.num_layers * config.num_kv_heads * per_head // 2  # split over 2 devices
+    assert row["analytic"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
+    assert row["measured"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
