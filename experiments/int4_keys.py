@@ -271,9 +271,11 @@ def _register():
                 return fake_quantize((x - mean) / scale, scheme, meta.positions) * scale + mean
 
             if self.keys.prerope:
+                # +smooth's scales are tied across each RoPE pair, so they divide pre-RoPE keys
+                # alike (they commute with the rotation).
                 pre = apply_rope(k, -meta.positions, self.inv_freq)
-                k_read = apply_rope(through(pre, self.keys, self.key_means), meta.positions,
-                                    self.inv_freq)
+                k_read = apply_rope(through(pre, self.keys, self.key_means, self.key_smooth),
+                                    meta.positions, self.inv_freq)
             else:
                 k_read = through(k, self.keys, self.key_means, self.key_smooth)
             inner = self.inner.write(layer, k_read, through(v, self.values, self.value_means),

@@ -95,3 +95,44 @@ def test_first_window_is_quantized_per_token_unrotated() -> None:
     np.testing.assert_array_equal(both[:, 8:], np.asarray(fake_quantize(x, channel))[:, 8:])
     with pytest.raises(ValueError, match="channel-scheme option"):
         Scheme.parse("token:32+first")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("base", ["token:16", "channel:8+log8+z8"])
+def test_smoothing_applies_before_and_after_rope(seed: int, base: str) -> None:
+    """+smooth divides the keys by its per-channel scales, quantizes and multiplies back, with
+    +prerope too (the scales are tied across RoPE pairs, so they commute with the rotation):
+    what the cache stores is RoPE(smooth^-1 quantize(unRoPE(k) / s) * s), not +prerope alone."""
+    from experiments.int4_keys import _register
+    from infer.cache.metadata import AttentionMetadata
+    from infer.cache.paged import PagedKVCache
+    from infer.model.config import get_config
+    from infer.model.llama import apply_rope, rope_frequencies
+
+    config = get_config("tiny")
+    k_heads, d, page, t = config.num_kv_heads, config.head_dim, 16, 32
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.standard_normal((1, t, k_heads, d)) * np.exp(rng.normal(size=d) * 2),
+                    jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, t, k_heads, d)), jnp.float32)
+    scales = jnp.asarray(np.tile(np.exp(rng.normal(size=(k_heads, d // 2))), 2), jnp.float32)
+    meta = AttentionMetadata.for_prefill(jnp.asarray([t]), t,
+                                         page_tables=jnp.arange(t // page, dtype=jnp.int32)[None])
+    inv_freq = jnp.asarray(rope_frequencies(config))
+    fake_cache, _ = _register()
+
+    def stored(text: str) -> np.ndarray:
+        keys = Scheme.parse(text)
+        cache = fake_cache(PagedKVCache.create(1, t // page, page, k_heads, d), None, (), (),
+                           inv_freq, (scales,) if keys.smooth else (), keys, Scheme("none"))
+        pages = np.asarray(cache.write(0, k, v, meta).inner.k[0])  # [P, K, G, D]
+        return pages.transpose(0, 2, 1, 3).reshape(1, t, k_heads, d)
+
+    for prerope in (False, True):
+        scheme = base + ("+prerope" if prerope else "")
+        pre = apply_rope(k, -meta.positions, inv_freq) if prerope else k
+        want = fake_quantize(pre / scales, Scheme.parse(scheme), meta.positions) * scales
+        want = apply_rope(want, meta.positions, inv_freq) if prerope else want
+        got = stored(scheme + "+smooth")
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert not np.allclose(got, stored(scheme), rtol=1e-5, atol=1e-5), scheme
