@@ -104,9 +104,10 @@ class Scheme:
         blocks = [o for o in options if o.startswith("res") and o[3:].isdigit()]
         options = [o for o in options if o not in blocks]
         kind, _, size = base.partition(":")
-        if kind not in ("token", "channel", "none") or (kind != "none") != size.isdigit():
-            raise ValueError(f"scheme {text!r}: want token:G, channel:W or none, then options "
-                             f"among {', '.join('+' + o for o in OPTIONS)}")
+        if (kind not in ("token", "channel", "none") or (kind != "none") != size.isdigit()
+                or (size.isdigit() and int(size) < 1)):
+            raise ValueError(f"scheme {text!r}: want token:G, channel:W (G, W >= 1) or none, "
+                             f"then options among {', '.join('+' + o for o in OPTIONS)}")
         if unknown := set(options) - set(OPTIONS):
             raise ValueError(f"scheme {text!r}: unknown options {sorted(unknown)}")
         if kind == "none" and set(options) - {"mean"}:
@@ -352,6 +353,26 @@ def score(steps, ids: list[int], make_cache):
     return score_through(steps, ids, make_cache(pages), pages, CHUNK)
 
 
+def parse_pairs(schemes: list[str], head_dim: int) -> list[tuple[str, Scheme, Scheme]]:
+    """(text, key scheme, value scheme) of each "keys/values" pair, checked against the
+    quantization's shapes: a token scheme's groups must tile the head dim and a channel
+    scheme's windows the chunk, or their bytes would be counted for groups that do not exist
+    and the run would fail only after scoring the float32 reference."""
+    pairs = []
+    for text in schemes:
+        key, _, value = text.partition("/")
+        pairs.append((text, Scheme.parse(key), Scheme.parse(value)))
+        if pairs[-1][2].prerope or pairs[-1][2].smooth:
+            raise ValueError(f"{text!r}: +prerope and +smooth are key schemes")
+        for s in pairs[-1][1:]:
+            if s.kind == "channel" and CHUNK % s.size:
+                raise ValueError(f"{text!r}: a channel window must divide the {CHUNK}-token chunk")
+            if s.kind == "token" and head_dim % s.size:
+                raise ValueError(f"{text!r}: a token scheme's group must divide the head dim "
+                                 f"{head_dim}")
+    return pairs
+
+
 def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: str,
         resume: bool = False) -> list[dict]:
     """One row per key/value scheme pair: top-1 agreement and KL against float32, bytes per
@@ -365,17 +386,10 @@ def run(*, schemes: list[str], eval_tokens: int, calibration_tokens: int, out: s
     from infer.cache.paged import PagedKVCache
     from infer.engine.device_steps import DeviceSteps
     from infer.io.loader import load
+    from infer.model.config import get_config
     from infer.model.llama import apply_rope, rope_frequencies
 
-    pairs = []
-    for text in schemes:
-        key, _, value = text.partition("/")
-        pairs.append((text, Scheme.parse(key), Scheme.parse(value)))
-        if pairs[-1][2].prerope or pairs[-1][2].smooth:
-            raise ValueError(f"{text!r}: +prerope and +smooth are key schemes")
-        for s in pairs[-1][1:]:
-            if s.kind == "channel" and CHUNK % s.size:
-                raise ValueError(f"{text!r}: a channel window must divide the {CHUNK}-token chunk")
+    pairs = parse_pairs(schemes, get_config("smollm2-135m").head_dim)  # before any work
     config, model, tokenizer = load("smollm2-135m", "float32")
     k_heads, d = config.num_kv_heads, config.head_dim
     float32 = lambda pages: PagedKVCache.create(config.num_layers, pages, PAGE, k_heads, d)

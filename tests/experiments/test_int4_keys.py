@@ -136,3 +136,24 @@ def test_smoothing_applies_before_and_after_rope(seed: int, base: str) -> None:
         got = stored(scheme + "+smooth")
         np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
         assert not np.allclose(got, stored(scheme), rtol=1e-5, atol=1e-5), scheme
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pairs_whose_groups_do_not_tile_are_refused_before_any_work(seed: int) -> None:
+    """A group of 0, a token group that does not divide the head dim or a channel window that
+    does not divide the chunk has no bytes per token to report: refused when the pairs are
+    read, before the model is loaded and its reference scored, not by a division by zero or a
+    reshape minutes in."""
+    from experiments.int4_keys import CHUNK, parse_pairs
+
+    rng = np.random.default_rng(seed)
+    d = int(rng.choice([16, 64, 128]))
+    for size in [0, *rng.integers(1, 300, 12)]:
+        for kind, whole in (("token", d), ("channel", CHUNK)):
+            text = f"{kind}:{size}/token:{min(32, d)}"
+            if size >= 1 and whole % size == 0:
+                (_, keys, _), = parse_pairs([text], d)
+                assert keys.bytes_per_token(d) > 0
+            else:
+                with pytest.raises(ValueError, match="token:G|divide"):
+                    parse_pairs([text], d)
