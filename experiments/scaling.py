@@ -105,13 +105,6 @@ def model_config(name: str) -> Any:
     return get_config(name)
 
 
-def _itemsize(dtype: str) -> int:
-    import jax.numpy as jnp
-
-    from kernels_pallas.kv_quant import KV_FORMAT_ALIASES
-    return jnp.dtype(KV_FORMAT_ALIASES.get(dtype, dtype)).itemsize
-
-
 def laid_out(config: Any, tensor_parallel: int) -> tuple[Any, Any]:
     """(layout, the config with its heads laid out) for TP devices, padding where nothing else
     splits; ValueError (head_layout's) when the FFN or the vocabulary does not split."""
@@ -123,7 +116,10 @@ def laid_out(config: Any, tensor_parallel: int) -> tuple[Any, Any]:
 
 def norm_bytes(config: Any, weight_dtype: str) -> int:
     """The RMSNorm scales: two per layer and the final one, whole on every device."""
-    return (2 * config.num_layers + 1) * config.hidden_size * _itemsize(weight_dtype)
+    from infer.cache.budget import dtype_bits
+
+    # In bits, as weight_bytes counts the total they are taken from (int4: half a byte each).
+    return -(-(2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) // 8)
 
 
 def weight_bytes_per_device(config: Any, tensor_parallel: int, weight_dtype: str) -> int:

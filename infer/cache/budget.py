@@ -36,13 +36,14 @@ def kv_bytes_per_token(config: LlamaConfig, kv_format: str = "bfloat16",
         return int(2 * config.num_layers * config.num_kv_heads * per_head)
     per_head = bytes_per_token_per_head(config.head_dim, name)
     if not include_scales:
-        per_head = config.head_dim * _bits(name) // 8
+        per_head = config.head_dim * dtype_bits(name) // 8
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
-def _bits(name: str) -> int:
-    """Bits per element: a sub-byte dtype (int4, float4) has an itemsize of 1 in numpy."""
-    dtype = jnp.dtype(name)
+def dtype_bits(name: str) -> int:
+    """Bits per element of a dtype or its alias ("bf16", "fp8"): a sub-byte dtype (int4,
+    float4) has an itemsize of 1 in numpy, so bytes are counted from this, never itemsize."""
+    dtype = jnp.dtype(KV_FORMAT_ALIASES.get(name, name))
     return (jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)).bits
 
 
@@ -52,8 +53,7 @@ def gqa_saving(config: LlamaConfig) -> float:
 
 
 def weight_bytes(config: LlamaConfig, weight_dtype: str = "bfloat16") -> int:
-    bits = _bits(KV_FORMAT_ALIASES.get(weight_dtype, weight_dtype))
-    return -(-config.num_params * bits // 8)
+    return -(-config.num_params * dtype_bits(weight_dtype) // 8)
 
 
 @dataclasses.dataclass(frozen=True)

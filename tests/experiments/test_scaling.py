@@ -150,3 +150,21 @@ def test_int4_kivi_pools_are_measured_and_counted_at_the_runners_pages():
     expected = config.num_layers * config.num_kv_heads * per_head // 2  # split over 2 devices
     assert row["analytic"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
     assert row["measured"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "fp8", "int8", "int4"])
+def test_norms_are_counted_in_the_weights_own_bits(weight_dtype: str) -> None:
+    """The norms every device holds whole are taken out of weight_bytes, which counts each
+    parameter at the dtype's bits (int4: half a byte, not numpy's itemsize of 1), so they are
+    counted in the same bits: the devices of a replica then hold the replica's weights, the
+    norms once more on each device but the first."""
+    from infer.cache.budget import dtype_bits
+
+    for model in ("llama-3-70b", "llama-3-8b", "smollm2-135m"):
+        config = get_config(model)
+        norms = (2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) / 8
+        assert scaling.norm_bytes(config, weight_dtype) == norms
+        for tp in (1, 2, 4):
+            _, wide = scaling.laid_out(config, tp)
+            per_device = scaling.weight_bytes_per_device(wide, tp, weight_dtype)
+            assert per_device * tp - (tp - 1) * norms == weight_bytes(wide, weight_dtype)
