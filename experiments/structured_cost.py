@@ -3,8 +3,9 @@ constraint, under a JSON schema and under a regex, same batch, lengths and run, 
 
   python -m experiments.structured_cost --batch_sizes=1,8 --tokens=48
 
-Each constraint is made so that it cannot complete within `--tokens` tokens (a string of at
-least 16 characters a token), so every run decodes the same number of steps. A step's time is
+Each constraint is made so that it cannot complete within `--tokens` tokens (a string longer
+than that many of the vocabulary's longest token spell), so every run decodes the same number of
+steps. A step's time is
 the median over the full-batch decode steps of every repeat (`StepRecord.end_s - start_s`);
 its phases are means, as in `experiments.engine_overhead`. The mask's two costs show apart:
 the host fills the constrained rows' bitmask while building the step's inputs (`inputs_ms`;
@@ -20,6 +21,8 @@ leaves the mask's own cost (`× none, no async`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from absl import flags
 
@@ -42,11 +45,12 @@ define_parallel_flags(FLAGS)
 PHASES = ("schedule", "inputs", "device", "output")
 
 
-def constraint_for(kind: str, tokens: int):
-    """A constraint of `kind` that `tokens` tokens cannot complete; None for "none"."""
+def constraint_for(kind: str, tokens: int, longest_token: int = 16):
+    """A constraint of `kind` that `tokens` tokens of at most `longest_token` characters each
+    (`longest_token_chars`) cannot complete; None for "none"."""
     from infer.sampling_params import StructuredOutput
 
-    least = 16 * tokens  # characters: more than `tokens` tokens of SmolLM2's vocabulary hold
+    least = longest_token * tokens + 1  # characters: more than `tokens` tokens can spell
     if kind == "none":
         return None
     if kind == "json":
@@ -57,6 +61,12 @@ def constraint_for(kind: str, tokens: int):
     if kind == "regex":
         return StructuredOutput(regex=f"[A-Za-z ,.]{{{least},}}")
     raise ValueError(f"unknown constraint {kind!r}: none, json or regex")
+
+
+def longest_token_chars(tokenizer: Any, vocab_size: int) -> int:
+    """The most characters one token of the vocabulary decodes to (SmolLM2: 81, a run of 64
+    spaces among them), what bounds the text `tokens` tokens can spell."""
+    return max(len(tokenizer.decode([i])) for i in range(vocab_size))
 
 
 def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_len: int,
@@ -86,6 +96,10 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
                          data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     log = ResultLog(out, resume=resume)
     config, host_model, tokenizer = load_on_host(devices.model, "float32")
+    # Sized by the vocabulary's longest token: "16 characters a token" let a JSON body of
+    # 64-space tokens close within 21 of SmolLM2's tokens.
+    longest = longest_token_chars(tokenizer, config.vocab_size)
+    specs = {kind: constraint_for(kind, tokens, longest) for kind in constraints}
     # Sliced before placement: only the layers kept go to (and split over) the mesh.
     model, mesh = devices.place(self_draft(host_model, layers) if layers else host_model)
     ids = text_ids(tokenizer, 200_000)

@@ -55,3 +55,31 @@ def test_an_unknown_constraint_is_refused_before_any_work(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown constraint"):
         structured_cost.run(batch_sizes=[1], constraints=["yaml"], tokens=5, prompt_len=16,
                             repeats=1, layers=2, out=str(tmp_path / "s.jsonl"))
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_no_constraint_completes_within_its_tokens_of_the_longest_token(kind: str) -> None:
+    """The constraints must not complete within `tokens` tokens whatever the model picks: a
+    body (regex) of the vocabulary's longest token repeated, closed as soon as the grammar
+    allows, is still refused an end. SmolLM2 has a 64-space token: "16 characters a token"
+    let the JSON object close after 21 tokens of 48."""
+    import random
+
+    from infer.io.loader import load_on_host
+    from infer.structured import GrammarCompiler
+
+    config, _, tok = load_on_host("smollm2-135m", "float32")
+    longest = structured_cost.longest_token_chars(tok, config.vocab_size)
+    assert longest >= 64
+    compiler = GrammarCompiler(tok, config.vocab_size)
+    spaces = tok.encode(" " * 64, add_bos=False)
+    assert len(spaces) == 1
+    for tokens in random.Random(kind).sample(range(4, 200), 4):
+        c = compiler.constraint(structured_cost.constraint_for(kind, tokens, longest))
+        head = tok.encode('{"title": "", "body": "', add_bos=False) if kind == "json" else []
+        for t in head + spaces * tokens:
+            assert c.consume(t)
+        if kind == "json":
+            assert not all(c.consume(t) for t in tok.encode('"}', add_bos=False))
+        else:
+            assert not c._matcher.is_accepting()
