@@ -32,7 +32,9 @@ Policies:
   the batch's full width, finished rows included, as a padded batch does (HF `generate`).
 
 Admission is FCFS and by free pages: a waiting request is admitted when a slot is free and its
-first chunk's pages can be had.
+first chunk's pages can be had. While an admitted request's chunk finds no pages, nobody is
+admitted: the pages that running requests free go to it, not to newcomers, which could
+otherwise take them forever (a steady stream of small requests starved a long prompt).
 
 With a prefix cache, an admitted request first takes the cached pages of the longest page-aligned
 prefix of its tokens (all but the last, which must be computed for its logits, so no write ever
@@ -100,6 +102,9 @@ class Scheduler:
         self._batch_width = 0  # static policy: size of the running batch when admitted
         self._admissions = 0
         self._last_kind = "idle"
+        # The earliest-admitted request whose prefill chunk found no pages at the last try:
+        # admission waits until it gets one (see the module docstring).
+        self._stalled: SeqState | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -187,6 +192,8 @@ class Scheduler:
         # A static batch starts only when none runs and its wait is over.
         if self.config.policy == "static" and (self.running or self.seconds_until_work() > 0):
             return
+        if self._stalled is not None and self._stalled.status == Status.RUNNING:
+            return  # its pages come first: a newcomer would take what running requests free
         self._batch_width = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -252,6 +259,7 @@ class Scheduler:
         step: on a compute-bound CPU, rows of one chunk each cost the same per token, and one
         row keeps the compiled shapes few)."""
         plan = StepPlan(kind="prefill")
+        self._stalled = None
         for seq in sorted((s for s in self.running if s.in_prefill), key=lambda s: s.admitted_at):
             if seq.num_computed == seq.pages.capacity:  # page-aligned, nothing reserved ahead
                 self._take_cached(seq, self._cached_prefix(seq))
@@ -262,7 +270,11 @@ class Scheduler:
                 self.allocator.reserve(seq.pages, end)
                 plan.page_copies += self.allocator.prepare_write(seq.pages, seq.num_computed, end)
             except OutOfPages:
-                continue  # decode steps will finish or preempt someone; try the next request
+                # Decode steps will finish or preempt someone, and nobody is admitted meanwhile
+                # (`_admit`); try the next request.
+                if self._stalled is None:
+                    self._stalled = seq
+                continue
             ids = seq.request.all_token_ids[seq.num_computed:end]
             plan.prefill.append(PrefillChunk(seq=seq, start=seq.num_computed, token_ids=tuple(ids)))
             break
@@ -388,6 +400,8 @@ class Scheduler:
         self.allocator.release(seq.pages)  # nothing computed: it recomputes from the start
         seq.admitted_at = -1  # WAITING
         seq.cached_prefix = seq.reused_tokens = 0  # its next admission looks up afresh
+        if self._stalled is seq:
+            self._stalled = None  # it waits in the queue now, at its front
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

@@ -234,3 +234,45 @@ def test_drafts_dropped_before_anyone_is_preempted() -> None:
     plan = sched.schedule()
     assert plan.kind == "decode" and not plan.preempted
     assert plan.draft_limits == [0] and sched.seqs["r"].status == Status.RUNNING
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_long_prompt_is_not_starved_by_a_stream_of_small_requests(mixed: bool) -> None:
+    """A long prompt that fits the pool alone, then small requests arriving as fast as they
+    finish. Its chunk found no pages while newcomers kept taking what the small ones freed,
+    so it never finished; admission now waits for it. Random pools, pages and chunk sizes."""
+    for seed in range(150):
+        rng = random.Random(seed)
+        g = rng.choice([1, 2, 4])
+        num_pages = rng.randint(3, 16)
+        capacity = num_pages * g
+        allocator = PageAllocator(num_pages, g)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(2, 4),
+                                          max_prefill_tokens=rng.choice([1, 2, 4, 8, 16]),
+                                          max_model_len=capacity, mixed_steps=mixed),
+                          allocator)
+        runner = PageReadingRunner(allocator)
+        big_len = rng.randint(capacity // 2, capacity - 1)
+        big = Request("big", [rng.randrange(1, VOCAB) for _ in range(big_len)],
+                      SamplingParams(max_tokens=1, seed=0), None)
+        small_len = min(rng.randint(1, 2 * g), capacity // 2)
+        small_tokens = min(rng.randint(1, 2 * g), capacity // 2)
+        smalls = 0
+
+        def add_small() -> None:
+            nonlocal smalls
+            smalls += 1
+            sched.add(Request(f"s{smalls}", [rng.randrange(1, VOCAB) for _ in range(small_len)],
+                              SamplingParams(max_tokens=small_tokens, seed=0), None))
+
+        add_small()
+        sched.add(big)
+        for _ in range(500):
+            if len(sched.waiting) < 2:
+                add_small()
+            plan = sched.schedule()
+            sched.postprocess(plan, runner.execute(plan))
+            if big.finished:
+                break
+        assert big.finished, f"seed {seed}: the long prompt starved behind {smalls} small ones"
+        assert big.output_ids == alone(big.prompt_token_ids, 1), seed
