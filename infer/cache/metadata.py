@@ -17,15 +17,17 @@ from infer.cache.page_allocator import SequencePages, page_tables
 def check_writes(starts: ArrayLike, ends: ArrayLike, capacity: ArrayLike,
                  names: Sequence[str] | None = None) -> None:
     """Raises ValueError naming each row (and `names[row]`, e.g. its request) whose writes,
-    slots [starts, ends) per row, do not lie in [0, capacity) (per row, or one for all); rows
-    with ends <= starts write nothing.
+    slots [starts, ends), do not lie in [0, capacity) (each of the three per row, or one for
+    all rows); rows with ends <= starts write nothing.
 
     The one bounds check of every host caller that builds metadata (the runner, the proposers,
     the simple loop, tree speculation) and of eager cache writes. It must run on the host: the
     jitted write cannot raise, and out of range it drops (contiguous) or lands on another slot
     (a paged row's table is padded with page 0), silently either way."""
-    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
-    capacity = np.broadcast_to(np.asarray(capacity), starts.shape)
+    # Broadcast together: the message indexes all three by row (the simple loop passes one
+    # start, 0, for every row).
+    starts, ends, capacity = (a.reshape(-1) for a in np.broadcast_arrays(
+        np.asarray(starts), np.asarray(ends), np.asarray(capacity)))
     bad = np.flatnonzero((ends > starts) & ((starts < 0) | (ends > capacity)))
     if bad.size:
         label = lambda b: f"row {b}" + (f" ({names[b]})" if names is not None else "")

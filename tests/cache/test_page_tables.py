@@ -4,12 +4,13 @@ pages held, sequences placed in any rows."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
 import pytest
 
-from infer.cache.metadata import paged_metadata
+from infer.cache.metadata import check_writes, paged_metadata
 from infer.cache.page_allocator import SequencePages, page_tables
 
 
@@ -102,3 +103,25 @@ def test_paged_metadata_checks_a_chains_writes_past_its_tokens() -> None:
         paged_metadata([seq], 1, 1, six, one, 1, names=["request 'a'"])
     with pytest.raises(ValueError, match="2 names for 1 sequences"):
         paged_metadata([seq], 1, 2, six, one, 1, names=["a", "b"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_check_writes_names_the_rows_whatever_is_given_per_row(seed: int) -> None:
+    """Starts, ends and capacity each per row or one for all rows (the simple loop passes one
+    start): every bad row is named in a ValueError. One start for all rows with a bad row past
+    the first raised IndexError while the message was built."""
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(2, 6))
+    starts = rng.integers(-2, 8, rows)
+    ends = rng.integers(-2, 16, rows)
+    capacity = rng.integers(4, 16, rows)
+    for per_row in itertools.product([False, True], repeat=3):
+        args = [x if p else int(x[0]) for x, p in zip((starts, ends, capacity), per_row)]
+        s, e, c = map(np.atleast_1d, np.broadcast_arrays(*args))
+        bad = [b for b in range(s.size) if e[b] > s[b] and (s[b] < 0 or e[b] > c[b])]
+        if not bad:
+            check_writes(*args)
+            continue
+        with pytest.raises(ValueError, match="write outside the KV cache") as info:
+            check_writes(*args)
+        assert all(f"row {b} writes" in str(info.value) for b in bad[:8]), (per_row, bad)
