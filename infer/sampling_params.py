@@ -117,9 +117,10 @@ class SamplingParams:
     # end-of-sequence) that ended the request, in its text, as vLLM's field of this name; the
     # token itself is in token_ids either way.
     include_stop_str_in_output: bool = False
-    # Report each output token's logprob (the model's raw distribution, before temperature,
-    # top-k/top-p and any structured-output mask, as vLLM does) and this many top
-    # alternatives: 0 for the chosen token's alone, None for none.
+    # Report each output token's logprob (the model's raw distribution, before temperature and
+    # top-k/top-p as vLLM's default; also before any structured-output mask, which vLLM V1
+    # applies first) and this many top alternatives: 0 for the chosen token's alone, None for
+    # none.
     logprobs: int | None = None
     structured: StructuredOutput | None = None
     # What a step hands back for this request, as vLLM's RequestOutputKind: "cumulative", its
