@@ -260,7 +260,10 @@ class Engine:
         scheduled = time.perf_counter() - start - times.inputs_s - times.device_s
         sampled = pending.result()
         executed = time.perf_counter()
+        had = {id(seq): len(seq.request.output_ids)
+               for seq in [chunk.seq for chunk in plan.prefill] + list(plan.decode)}
         advanced = self.scheduler.postprocess(plan, sampled, logprobs=pending.logprobs())
+        added = [(seq, len(seq.request.output_ids) - had[id(seq)]) for seq in advanced]
         outputs = [self._notify(seq.request.output()) for seq in advanced
                    if seq.request.params.streams or seq.request.finished]
         end = time.perf_counter()
@@ -271,7 +274,10 @@ class Engine:
             waiting=len(self.scheduler.waiting), free_pages=self.allocator.num_free(),
             slot_utilization=running / self.config.max_num_seqs,
             schedule_s=scheduled, inputs_s=times.inputs_s, device_s=times.device_s,
-            output_s=end - executed, planned_ahead=plan.ahead))
+            output_s=end - executed, planned_ahead=plan.ahead,
+            output_tokens=sum(n for _, n in added),
+            prompt_tokens_started=sum(len(seq.request.prompt_token_ids) for seq, n in added
+                                      if n and had[id(seq)] == 0)))
         self.num_steps += 1
         return outputs
 

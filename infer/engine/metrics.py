@@ -92,6 +92,11 @@ class StepRecord:
     device_s: float = 0.0
     output_s: float = 0.0
     planned_ahead: bool = False  # dispatched before the step it follows was read back
+    # Tokens the step appended to requests' outputs, and the prompt tokens of the requests
+    # whose first token it brought: what vLLM's token counters add per step, so that a rate
+    # over them follows generation rather than jumping when long requests finish.
+    output_tokens: int = 0
+    prompt_tokens_started: int = 0
 
 
 @dataclasses.dataclass

@@ -42,10 +42,9 @@ class ServerMetrics:
                              "fraction of KV cache pages in use (1 = full); pages only the "
                              "prefix cache holds count as free, as they are evictable")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "prompt tokens of requests "
-                                  "served (counted when they finish)")
+                                  "that got their first token (counted in that step)")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "tokens generated "
-                                      "(counted when their request finishes; vLLM counts each "
-                                      "step's)")
+                                      "(counted in the step that generated them)")
         self.success = make(Counter, "vllm:request_success", "finished requests by reason",
                             ["finished_reason"])
         self.preemptions = make(Counter, "vllm:num_preemptions", "requests preempted and "
@@ -92,8 +91,6 @@ class ServerMetrics:
 
     def finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(m.num_output_tokens)
         self.success.labels(**self._labels, finished_reason=out.finish_reason.value).inc()
         self.preemptions.inc(m.num_preemptions)
         self.prefix_queries.inc(m.num_prompt_tokens)
@@ -108,6 +105,8 @@ class ServerMetrics:
     def steps(self, records: Sequence[StepRecord]) -> None:
         for r in records:
             self.step_seconds.labels(**self._labels, kind=r.kind).observe(r.end_s - r.start_s)
+            self.generation_tokens.inc(r.output_tokens)
+            self.prompt_tokens.inc(r.prompt_tokens_started)
 
     def engine_state(self, replicas: Sequence[Engine]) -> None:
         running = sum(len(r.scheduler.running) for r in replicas)

@@ -79,3 +79,45 @@ def test_an_engine_run_records_every_prompt_token_once(tiny_model, mixed: bool) 
     assert row["prefill_steps"] == sum(r.kind in ("prefill", "mixed") for r in records)
     assert (row["prefill_steps"] > sum(r.kind == "prefill" for r in records)) == mixed
     assert 0 < row["prefill_time_share"] < 1
+
+
+@pytest.mark.parametrize("case", ["plain", "preempted_async", "ngram"])
+def test_step_records_count_each_output_token_and_each_started_prompt_once(
+        tiny_model, case: str) -> None:
+    """Summed over the step records, `output_tokens` is every token the requests got and
+    `prompt_tokens_started` every prompt of a request that got a first token (a preempted and
+    recomputed request's counted once; one aborted while waiting not at all); each step's
+    count is what its requests' outputs grew by, several tokens a row with speculation."""
+    from infer.spec.config import SpeculativeConfig
+
+    rng = np.random.default_rng(len(case))
+    overrides = {"plain": {}, "preempted_async": dict(num_pages=16, async_scheduling=True),
+                 "ngram": dict(speculative=SpeculativeConfig("ngram", 3))}[case]
+    engine = tiny_engine(tiny_model, max_model_len=96, **overrides)
+    prompts = [[int(t) for t in rng.integers(3, 60, size=n)] for n in rng.integers(1, 30, 9)]
+    prompts += [[5, 6, 7, 8] * 4]  # the n-gram proposer drafts on it
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(
+        max_tokens=int(rng.integers(1, 32)), ignore_eos=True)) for p in prompts]
+    never = engine.add_request(prompt_token_ids=[3, 4], params=SamplingParams(max_tokens=5))
+    engine.abort(never)  # still waiting: no first token, no prompt counted
+    seen: dict[str, int] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        first = engine.num_steps
+        outputs = engine.step()
+        (record,) = engine.step_records(first)
+        grown = 0
+        for out in outputs:
+            grown += len(out.token_ids) - seen.get(out.request_id, 0)
+            seen[out.request_id] = len(out.token_ids)
+        assert record.output_tokens == grown, record
+    finished = [engine.output(i) for i in ids]
+    records = engine.step_records()
+    assert sum(r.output_tokens for r in records) == sum(len(o.token_ids) for o in finished)
+    assert sum(r.prompt_tokens_started for r in records) == sum(map(len, prompts))
+    if case == "preempted_async":
+        assert sum(o.metrics.num_preemptions for o in finished) > 0
+    if case == "ngram":
+        assert max(r.output_tokens - r.decode_rows - bool(r.prefill_tokens)
+                   for r in records) > 0  # a step brought a row more than one token
