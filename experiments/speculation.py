@@ -152,14 +152,32 @@ def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fractio
 
 
 def alpha_mle(accepted_counts: Sequence[int], proposed_counts: Sequence[int],
-              depth: int | None = None) -> float:
+              depth: int | None = None, reach_counts: Sequence[int] | None = None) -> float:
     """Per-position acceptance (the cost model's alpha): accepted drafts over the drafts the
     verifier judged, i.e. accepted ones plus the first rejection of each step that had one. A
-    step can accept at most min(proposed, depth) (a tree's depth, below its candidates): one
-    that accepted that many had no rejection."""
-    cap = lambda p: p if depth is None else min(p, depth)
-    judged = sum(a + (a < cap(p)) for a, p in zip(accepted_counts, proposed_counts) if p > 0)
+    step can accept at most its reach: `reach_counts` when given (per step, the depth of the
+    tree prefix it verified: see `prefix_depths`), else min(proposed, depth) (a tree's depth,
+    below its candidates); one that accepted that many had no rejection."""
+    if reach_counts is None:
+        reach_counts = [p if depth is None else min(p, depth) for p in proposed_counts]
+    judged = sum(a + (a < r) for a, p, r in zip(accepted_counts, proposed_counts, reach_counts)
+                 if p > 0)
     return sum(accepted_counts) / judged if judged else float("nan")
+
+
+def prefix_depths(parents: Any, counts: Sequence[int]) -> list[int]:
+    """Per row, the depth of the tree prefix it verifies, the most drafts it can accept: the
+    deepest of nodes 1..count of parents [rows, N] (-1 at the root; drafting order puts parents
+    first, so a prefix is a tree). A prefix cut by the row's limit or by the confidence stop
+    can be shallower than its tree."""
+    import numpy as np
+
+    parents = np.asarray(parents)
+    depth = np.zeros(parents.shape, np.int64)
+    rows = np.arange(parents.shape[0])
+    for j in range(1, parents.shape[1]):
+        depth[:, j] = depth[rows, parents[:, j]] + 1
+    return [int(depth[r, 1:c + 1].max()) if c > 0 else 0 for r, c in enumerate(counts)]
 
 
 # -- engine measurements ---------------------------------------------------------------------
@@ -168,12 +186,14 @@ class ProposerProbe:
     """Times a live engine's proposer and counts its drafts, by wrapping the instance's
     `propose` and `commit` (nothing in the engine changes). Per propose call: start, end and
     the row counts; per commit: the emitted lengths, so accepted = len - 1 for rows with
-    drafts in the step that proposed them."""
+    drafts in the step that proposed them. Per tree proposal with drafts, its parents, which
+    `summary` reads back to find how deep each row's verified prefix reaches."""
 
     def __init__(self, proposer: Any) -> None:
         self.proposer = proposer
         self.calls: list[tuple[float, float, list[int]]] = []
         self.emitted: list[list[int]] = []
+        self.trees: list[Any] = []  # parents [rows, N] of each verifying tree proposal
         self._pending: list[int] | None = None
         propose, commit = proposer.propose, proposer.commit
 
@@ -205,26 +225,37 @@ class ProposerProbe:
                 counts = [int(c) for c in out[2][:len(seqs)]]
                 self.calls.append((start, time.perf_counter(), counts))
                 self._pending = counts if any(counts) else None
+                if self._pending is not None:
+                    # Kept on the device: read back by `summary`, outside the timed steps.
+                    self.trees.append(out[1])
                 return out
 
             proposer.propose_tree = timed_propose_tree
 
     def reset(self) -> None:
-        self.calls, self.emitted, self._pending = [], [], None
+        self.calls, self.emitted, self.trees, self._pending = [], [], [], None
 
     def summary(self) -> dict[str, Any]:
         """Counts over the verify steps since reset: rows with drafts, drafts proposed and
         accepted, and per row the (accepted, proposed) pairs."""
         verifying = [c for _, _, c in self.calls if any(c)]
-        accepted, proposed = [], []
-        for counts, lens in zip(verifying, self.emitted):
-            for p, n in zip(counts, lens):
+        # The most a row can accept: its drafts in a chain, its prefix's depth in a tree (a
+        # prefix cut short is shallower than the tree; counted at the tree's depth, a step that
+        # accepted all of it would read as a rejection).
+        reaches = ([prefix_depths(parents, counts)
+                    for parents, counts in zip(self.trees, verifying)] if self.trees
+                   else verifying)
+        accepted, proposed, reached = [], [], []
+        for counts, lens, reach in zip(verifying, self.emitted, reaches):
+            for p, n, r in zip(counts, lens, reach):
                 if p > 0:
                     proposed.append(p)
                     accepted.append(n - 1)
+                    reached.append(r)
         return {"verify_steps": len(self.emitted), "verify_rows": len(proposed),
                 "proposed": sum(proposed), "accepted": sum(accepted),
                 "accepted_counts": accepted, "proposed_counts": proposed,
+                "reach_counts": reached,
                 "propose_s": sum(e - s for s, e, _ in self.calls),
                 "propose_calls": len(self.calls)}
 
@@ -316,10 +347,15 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
     proposed, accepted = probe["proposed"], probe["accepted"]
     rows = probe["verify_rows"]
     alpha = accepted / proposed if proposed else float("nan")
-    mle = alpha_mle(probe["accepted_counts"], probe["proposed_counts"], depth)
+    reaches = probe.get("reach_counts")
+    mle = alpha_mle(probe["accepted_counts"], probe["proposed_counts"], depth, reaches)
     k_mean = proposed / rows if rows else float(k)
-    # The longest path a step can accept: the drafts of a chain, a tree's depth.
-    reach = k_mean if depth is None else min(k_mean, depth)
+    # The longest path a step can accept, on average: the drafts of a chain, the depth of the
+    # prefix of its tree a row verified (the tree's depth unless its limit or confidence cut it).
+    if reaches:
+        reach = sum(reaches) / len(reaches)
+    else:
+        reach = k_mean if depth is None else min(k_mean, depth)
     base_step = base["decode_step_s"]
     c = (probe["propose_s"] / max(probe["propose_calls"], 1) / k_mean / base_step
          if probe["propose_calls"] else float("nan"))
@@ -329,7 +365,8 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
     f = rows / spec["decode_row_steps"] if spec["decode_row_steps"] else float("nan")
     row = {**spec, "k": k, "verify_steps": probe["verify_steps"], "verify_rows": rows,
            "proposed": proposed, "accepted": accepted, "acceptance_rate": alpha,
-           "alpha_mle": mle, "drafts_per_verify": k_mean, "verify_fraction": f,
+           "alpha_mle": mle, "drafts_per_verify": k_mean, "reach_per_verify": reach,
+           "verify_fraction": f,
            "mean_accepted_per_verify": accepted / rows if rows else float("nan"),
            "tokens_per_verify": (accepted + rows) / rows if rows else float("nan"),
            "baseline_decode_tok_s": base["decode_tok_s"],

@@ -162,3 +162,61 @@ def test_engine_trees_run_beside_the_chains(tmp_path) -> None:
     # then exceeds accepted / (accepted + steps), which counts one in every step.
     r = trees["2x2"]
     assert r["alpha_mle"] > r["accepted"] / (r["accepted"] + r["verify_rows"])
+
+
+def test_tree_rows_count_rejections_at_their_prefix_depth() -> None:
+    """A row verifies a prefix of its tree, cut by its limit or the confidence stop, which can
+    be shallower than the tree: a step that accepted all of that prefix's depth saw no
+    rejection. Random trees in drafting order, random prefixes and acceptances through the
+    probe and spec_row, against a count of the rejections the verifier saw."""
+    import types
+
+    rng = np.random.default_rng(0)
+    rows, n, depth = 3, 16, 4
+
+    class Proposer:  # the calls the engine makes for a tree: propose_tree, then commit
+        config = types.SimpleNamespace(tree=TreeShape(3, depth, n - 1))
+        out = None
+
+        def propose(self, *args, **kwargs):
+            raise AssertionError("a tree proposer's chain was called")
+
+        def commit(self, seqs, emitted, *args):
+            pass
+
+        def propose_tree(self, seqs, limits, rows):
+            return self.out
+
+    proposer = Proposer()
+    probe = speculation.ProposerProbe(proposer)
+    accepted = judged = reached = verifying = 0
+    for _ in range(60):
+        parents = np.full((rows, n), -1, np.int32)
+        levels = np.zeros((rows, n), np.int64)
+        for r in range(rows):
+            for j in range(1, n):  # parents first; at most `depth` levels below the root
+                parents[r, j] = rng.choice([i for i in range(j) if levels[r, i] < depth])
+                levels[r, j] = levels[r, parents[r, j]] + 1
+        counts = rng.integers(0, n, rows)
+        counts[0] = max(counts[0], 1)  # every step verifies
+        emitted = []
+        for r in range(rows):
+            reach = int(levels[r, 1:counts[r] + 1].max()) if counts[r] else 0
+            a = int(rng.integers(0, reach + 1))
+            emitted.append([7] * (a + 1))
+            if counts[r]:
+                accepted += a
+                judged += a + (a < reach)  # the first rejection, unless it took the prefix whole
+                reached += reach
+                verifying += 1
+        proposer.out = (jnp.zeros((rows, n - 1), jnp.int32), jnp.asarray(parents), counts)
+        proposer.propose_tree([None] * rows, [n - 1] * rows, rows)
+        proposer.commit([None] * rows, emitted)
+    spec = {"probe": probe.summary(), "verify_step_s": 0.02, "decode_row_steps": 200,
+            "decode_tok_s": 50.0}
+    row = speculation.spec_row({"decode_step_s": 0.01, "decode_tok_s": 40.0}, spec, n - 1, depth)
+    assert row["accepted"] == accepted and row["verify_rows"] == verifying
+    assert row["alpha_mle"] == pytest.approx(accepted / judged)
+    assert row["reach_per_verify"] == pytest.approx(reached / verifying)
+    assert row["pred_tokens_per_verify_mle"] == pytest.approx(
+        speculation.expected_tokens(accepted / judged, reached / verifying))
