@@ -139,15 +139,20 @@ def expected_tokens(alpha: float, k: float) -> float:
 
 
 def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fraction: float = 1.0,
-                      depth: float | None = None) -> float:
+                      depth: float | None = None, step_fraction: float | None = None) -> float:
     """The lesson's cost model: a verify step emits expected_tokens(alpha, depth) tokens for k
     draft steps (c each) and one verify pass (v), in baseline decode steps; `depth`, the
     longest path a step can accept, is k for a chain (the default) and a tree's depth for its
     k candidates. With `verify_fraction` < 1 (n-gram finds nothing to propose at some steps)
-    the other steps are plain decode steps: one token, cost 1."""
+    the other rows emit one token each. `step_fraction` is the share of steps that verified
+    (default `verify_fraction`, as at batch 1); the others are plain decode steps, cost 1. At
+    batch > 1 a row with nothing to propose rides in its batch's verify step, so steps verify
+    more often than rows do: tokens per row-step over cost per step, the rows per step being
+    the baseline's."""
     f = verify_fraction
+    fs = f if step_fraction is None else step_fraction
     tokens = f * expected_tokens(alpha, k if depth is None else depth) + (1 - f)
-    cost = f * (k * c + v) + (1 - f)
+    cost = fs * (k * c + v) + (1 - fs)
     return tokens / cost if cost > 0 else float("nan")
 
 
@@ -361,12 +366,16 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
          if probe["propose_calls"] else float("nan"))
     own_verify = spec["verify_step_s"] - probe["propose_s"] / max(probe["propose_calls"], 1)
     v = own_verify / base_step
-    # Row-steps that verified, among all decode row-steps (n-gram may find nothing to offer).
+    # Row-steps that verified, among all decode row-steps (n-gram may find nothing to offer),
+    # and steps that verified, among all decode steps: a step verifies when any of its rows
+    # has drafts, and the rows without ride in it at its cost.
     f = rows / spec["decode_row_steps"] if spec["decode_row_steps"] else float("nan")
+    fs = (probe["verify_steps"] / spec["decode_steps"] if spec["decode_steps"]
+          else float("nan"))
     row = {**spec, "k": k, "verify_steps": probe["verify_steps"], "verify_rows": rows,
            "proposed": proposed, "accepted": accepted, "acceptance_rate": alpha,
            "alpha_mle": mle, "drafts_per_verify": k_mean, "reach_per_verify": reach,
-           "verify_fraction": f,
+           "verify_fraction": f, "verify_step_fraction": fs,
            "mean_accepted_per_verify": accepted / rows if rows else float("nan"),
            "tokens_per_verify": (accepted + rows) / rows if rows else float("nan"),
            "baseline_decode_tok_s": base["decode_tok_s"],
@@ -374,11 +383,11 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
            "draft_cost_ratio": c, "verify_cost_ratio": v,
            "pred_tokens_per_verify": expected_tokens(alpha, reach) if proposed else float("nan"),
            "pred_tokens_per_verify_mle": expected_tokens(mle, reach) if proposed else float("nan"),
-           "pred_speedup": (predicted_speedup(alpha, k_mean, c, v, f, reach) if proposed
+           "pred_speedup": (predicted_speedup(alpha, k_mean, c, v, f, reach, fs) if proposed
                             else float("nan")),
-           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f, reach) if proposed
+           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f, reach, fs) if proposed
                                 else float("nan")),
-           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f, reach) if proposed
+           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f, reach, fs) if proposed
                                else float("nan"))}
     return row
 

@@ -213,6 +213,7 @@ def test_tree_rows_count_rejections_at_their_prefix_depth() -> None:
         proposer.propose_tree([None] * rows, [n - 1] * rows, rows)
         proposer.commit([None] * rows, emitted)
     spec = {"probe": probe.summary(), "verify_step_s": 0.02, "decode_row_steps": 200,
+            "decode_steps": 80,
             "decode_tok_s": 50.0}
     row = speculation.spec_row({"decode_step_s": 0.01, "decode_tok_s": 40.0}, spec, n - 1, depth)
     assert row["accepted"] == accepted and row["verify_rows"] == verifying
@@ -220,3 +221,37 @@ def test_tree_rows_count_rejections_at_their_prefix_depth() -> None:
     assert row["reach_per_verify"] == pytest.approx(reached / verifying)
     assert row["pred_tokens_per_verify_mle"] == pytest.approx(
         speculation.expected_tokens(accepted / judged, reached / verifying))
+
+
+def test_batch_rows_without_drafts_ride_in_the_verify_step() -> None:
+    """At batch > 1 a step verifies when any row has drafts, and a row without rides in it at
+    the verify step's cost: the cost model charges plain steps only for the steps that verified
+    nothing. Random batches, against the tokens/s the cost model's own assumptions give when
+    the steps are simulated one by one."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        batch, k = int(rng.integers(2, 9)), int(rng.integers(1, 5))
+        c, v = rng.uniform(0.0, 0.3), rng.uniform(0.9, 2.0)
+        base_step, steps = 0.01, int(rng.integers(20, 60))
+        drafting = [rng.random(batch) < rng.uniform(0.2, 0.9) for _ in range(steps)]
+        verify = [d.any() for d in drafting]
+        rows = sum(int(d.sum()) for d in drafting)
+        accepted = rng.integers(0, k + 1, rows).tolist()
+        alpha = speculation.alpha_mle(accepted, [k] * rows)
+        # Each verifying row emits E tokens, every other row one; a verify step costs
+        # k c + v baseline steps, a plain one a baseline step.
+        tokens = rows * speculation.expected_tokens(alpha, k) + (batch * steps - rows)
+        seconds = base_step * sum((k * c + v) if ver else 1.0 for ver in verify)
+        base_tok_s = batch / base_step
+        probe = {"verify_steps": sum(verify), "verify_rows": rows, "proposed": k * rows,
+                 "accepted": sum(accepted), "accepted_counts": accepted,
+                 "proposed_counts": [k] * rows,
+                 "propose_s": sum(verify) * k * c * base_step, "propose_calls": sum(verify)}
+        spec = {"probe": probe, "verify_step_s": (k * c + v) * base_step,
+                "decode_steps": steps, "decode_row_steps": batch * steps,
+                "decode_tok_s": 1.0}
+        row = speculation.spec_row({"decode_step_s": base_step, "decode_tok_s": base_tok_s},
+                                   spec, k)
+        assert row["draft_cost_ratio"] == pytest.approx(c)
+        assert row["verify_cost_ratio"] == pytest.approx(v)
+        assert row["pred_speedup_mle"] == pytest.approx(tokens / seconds / base_tok_s)
