@@ -315,6 +315,12 @@ class Request:
             if self._text_tokens != n:
                 self._text = self._tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)
                 self._text_tokens = n
+            if not self.finished:
+                # The last tokens may end inside a character, which decodes to U+FFFD (one, or
+                # one per byte token with byte fallback) until a later token completes it: held
+                # back, as the incremental detokenizer holds it, so that the text so far leads
+                # to the final one.
+                return self._text.rstrip("\ufffd")
         return self._text
 
     def _visible_text(self) -> str:

@@ -162,3 +162,38 @@ def test_stop_strings_need_a_tokenizer() -> None:
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         Request("r", [1], SamplingParams(stop=["a"], seed=0), None)
     Request("r", [1], SamplingParams(stop_token_ids=[97], seed=0), None)  # ids need none
+
+
+def test_texts_so_far_lead_to_the_final_text_when_tokens_split_characters(tokenizer) -> None:
+    """Random streams of byte tokens, pieces of multi-byte characters (emoji, CJK, combining
+    marks) and special tokens, either output kind: the text shown after every token is a prefix
+    of the final text (a character a token leaves incomplete is never shown as U+FFFD, then
+    replaced), and without stop strings the final text is the tokens' whole decode."""
+    from tokenizers import pre_tokenizers
+
+    rng = random.Random(11)
+    byte_ids = [i for i in map(tokenizer.token_to_id, pre_tokenizers.ByteLevel.alphabet())
+                if i is not None]
+    pieces = [t for s in ("héllo 世界 🎉👍🏽 done", "e\u0301\u0302 a\u0308", "👨‍👩‍👧🇫🇷 日本語")
+              for t in _ids(tokenizer, s)]
+    special = [i for i in range(64) if tokenizer.is_special(i)]
+    for trial in range(400):
+        ids = [rng.choice(byte_ids) if (u := rng.random()) < 0.3 else rng.choice(special)
+               if u < 0.4 else rng.choice(pieces) for _ in range(rng.randint(1, 12))]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = (text[(a := rng.randrange(len(text))):a + rng.randint(1, 4)],) if (
+            text and rng.random() < 0.4) else None
+        params = SamplingParams(max_tokens=rng.randint(1, len(ids)), stop=stop,
+                                stop_token_ids=(rng.choice(ids),) if rng.random() < 0.4 else (),
+                                include_stop_str_in_output=rng.random() < 0.3, seed=0,
+                                output_kind=rng.choice(OUTPUT_KINDS))
+        r = Request(str(trial), [1], params, tokenizer, tokenizer.eos_ids)
+        shown = _feed(r, ids)
+        out = r.output()
+        assert all(out.text.startswith(s) for s in shown), (ids, params, shown)
+        if stop is None:
+            n = len(out.token_ids)
+            last = out.token_ids[-1]
+            silent = (last in params.stop_token_ids or last in tokenizer.eos_ids) and \
+                not params.include_stop_str_in_output
+            assert out.text == tokenizer.decode(ids[:n - silent], skip_special_tokens=True)
