@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import operator
 import os
 from typing import Any, Mapping, Sequence
 
@@ -259,8 +260,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`. Ids of the model's padded vocabulary (past the tokenizer's, when it
         was built with a larger `model_vocab_size`) decode to ""; any other id outside the
-        vocabulary raises ValueError."""
-        ids = [int(i) for i in ids]
+        vocabulary raises ValueError, and an id that is not an integer (a float, a string)
+        TypeError, as in HF, rather than being truncated or parsed into one."""
+        ids = [operator.index(i) for i in ids]
         n = self._num_ids
         if ids and not (0 <= min(ids) and max(ids) < n):  # two C loops: this runs per token
             bad = next(i for i in ids if not 0 <= i < n)

@@ -71,6 +71,20 @@ def test_special_tokens(tok: Tokenizer, hf_tok) -> None:
         tok.decode([49152])
 
 
+
+def test_decode_takes_integer_ids_only(tok: Tokenizer) -> None:
+    """NumPy integers decode as ints; a float or a string raises (as HF's decode does) rather
+    than being truncated or parsed into an id."""
+    import numpy as np
+
+    ids = tok.encode("ok done")
+    assert tok.decode(np.array(ids)) == tok.decode([np.int32(i) for i in ids]) == "ok done"
+    for bad in ([float(ids[0])], [ids[0] + 0.9], [np.float32(ids[0])], [str(ids[0])]):
+        with pytest.raises(TypeError):
+            tok.decode(bad)
+        with pytest.raises(TypeError):
+            IncrementalDetokenizer(tok).step(bad)
+
 CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
     [{"role": "user", "content": "Écris un haïku sur la mer 🌊"}],
