@@ -272,37 +272,43 @@ class Request:
         if self._detok is None:
             return None  # no stop strings (they make a detokenizer): decoded when asked
         searched = len(self._text)
+        # The stop token's text is searched too, for a stop string that starts before it:
+        # kept, its start would show the part of the stop string the stop token completes.
+        # It is decoded with the text held back before it (peeked before the step below
+        # emits that text alone), as the stop token may complete a character the text
+        # without it leaves incomplete, and a stop string ends in that character.
+        with_stop = (self._text + self._detok.peek(self.output_ids)
+                     if self._silent_last and self.params.stop else None)
         ids = self.output_ids[:-1] if self._silent_last else self.output_ids
         self._text += self._detok.step(ids, final=final)
         if not self.params.stop:
             return None
-        if (cut := self._cut_at_stop_string(searched)) is not None or not self._silent_last:
+        if (cut := self._cut_at_stop_string(searched)) is not None or with_stop is None:
             return cut
-        # The stop token's text is searched too, for a stop string that starts before it:
-        # kept, its start would show the part of the stop string the stop token completes.
+        # Up to the character the stop token completes, the two texts are the same.
         kept = len(self._text)
-        self._text += self._detok.step(self.output_ids, final=True)
-        at, cut = self._find_stop_string(kept)
+        at, cut = self._find_stop_string(with_stop, searched)
         self._text = self._text[:min(at, kept)]
         return cut if at < kept else None
 
-    def _find_stop_string(self, searched: int) -> tuple[int, str | None]:
-        """Where the first stop string starts in the text and which it is (of those found at
-        one place, the longest), or (len(text), None); `searched`: text length already known
-        to hold none, so only what could end in the new characters is searched again."""
+    def _find_stop_string(self, text: str, searched: int) -> tuple[int, str | None]:
+        """Where the first stop string starts in `text` (the text, or the text with a silent
+        stop token's) and which it is (of those found at one place, the longest), or
+        (len(text), None); `searched`: text length already known to hold none, so only what
+        could end in the new characters is searched again."""
         longest = max(map(len, self.params.stop))
         start = max(0, searched - longest + 1)
         hits = [(i, -len(s), s) for s in self.params.stop
-                if (i := self._text.find(s, start)) >= 0]
+                if (i := text.find(s, start)) >= 0]
         if not hits:
-            return len(self._text), None
+            return len(text), None
         at, _, stop = min(hits)
         return at, stop
 
     def _cut_at_stop_string(self, searched: int) -> str | None:
         """Cuts the text at the first stop string and returns it (None: none found): before
         it, or after it with include_stop_str_in_output. `searched`: as `_find_stop_string`."""
-        at, stop = self._find_stop_string(searched)
+        at, stop = self._find_stop_string(self._text, searched)
         if stop is not None:
             self._text = self._text[:at + (len(stop) if self.params.include_stop_str_in_output
                                            else 0)]

@@ -345,12 +345,25 @@ class IncrementalDetokenizer:
         if len(ids) < self._seen:
             raise ValueError(f"ids shrank from {self._seen} to {len(ids)}; pass the running list")
         self._seen = len(ids)
+        piece = self._piece(ids, final)
+        if piece is None:
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        self._text.append(piece)
+        return piece
+
+    def peek(self, ids: Sequence[int]) -> str:
+        """What `step(ids, final=True)` would emit, without emitting it: the held-back text
+        and the new ids' text. The next `step` goes on as if this was not called."""
+        if len(ids) < self._seen:
+            raise ValueError(f"ids shrank from {self._seen} to {len(ids)}; pass the running list")
+        return self._piece(ids, final=True) or ""
+
+    def _piece(self, ids: Sequence[int], final: bool) -> str | None:
+        """The text `ids` add to what was emitted; None: nothing to emit yet."""
         decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip)
         before = decode(ids[self._prefix:self._read])
         full = decode(ids[self._prefix:])
         if len(full) <= len(before) or (full.endswith("\ufffd") and not final):
-            return ""
-        piece = full[len(before):]
-        self._prefix, self._read = self._read, len(ids)
-        self._text.append(piece)
-        return piece
+            return None
+        return full[len(before):]

@@ -197,3 +197,41 @@ def test_texts_so_far_lead_to_the_final_text_when_tokens_split_characters(tokeni
             silent = (last in params.stop_token_ids or last in tokenizer.eos_ids) and \
                 not params.include_stop_str_in_output
             assert out.text == tokenizer.decode(ids[:n - silent], skip_special_tokens=True)
+
+
+def test_a_stop_string_ending_in_a_character_a_stop_token_completes(tokenizer) -> None:
+    """A character spelled in byte tokens whose last one is a stop token id, and a stop string
+    that ends in that character: the stop string cuts the text (as it alone would), though
+    the text without the stop token leaves that character incomplete."""
+    rng = random.Random(3)
+    alphabet = {b: tokenizer.token_to_id(c) for b, c in enumerate(_byte_level_chars())}
+    words = [i for i in range(200, 3000) if not tokenizer.is_special(i)
+             and "\ufffd" not in tokenizer.decode([i])]
+    for trial in range(100):
+        char = rng.choice("é世🎉\u0301ж€")
+        head = [rng.choice(words) for _ in range(rng.randint(0, 4))]
+        ids = head + [alphabet[b] for b in char.encode()]
+        text = tokenizer.decode(ids)
+        assert text.endswith(char)
+        at = rng.randrange(len(text))
+        for kind in OUTPUT_KINDS:
+            params = SamplingParams(max_tokens=20, stop=[text[at:]], stop_token_ids=[ids[-1]],
+                                    seed=0, output_kind=kind)
+            r = Request(str(trial), [1], params, tokenizer, tokenizer.eos_ids)
+            _feed(r, ids)
+            out = r.output()
+            assert (out.text, out.stop_reason) == (text[:at], text[at:]), (ids, params)
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that spells each byte 0..255, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars

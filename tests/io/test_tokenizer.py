@@ -166,6 +166,26 @@ def test_incremental_detokenizer_final_flushes_incomplete_char(tok: Tokenizer) -
         detok.step(cut[:1])
 
 
+
+def test_incremental_detokenizer_peek_emits_nothing(tok: Tokenizer) -> None:
+    """peek(ids) is what step(ids, final=True) would emit (held-back text included), and the
+    steps after it emit what they would have without it."""
+    import random
+
+    rng = random.Random(2)
+    ids = tok.encode("ok 🎉 日本語 e\u0301 done")
+    for trial in range(30):
+        cut = rng.randint(1, len(ids))
+        plain, peeked = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+        for n in range(1, len(ids) + 1):
+            if n == cut:
+                flushed = IncrementalDetokenizer(tok)
+                for m in range(1, n + 1):
+                    flushed.step(ids[:m], final=m == n)
+                assert peeked.text + peeked.peek(ids[:n]) == flushed.text == tok.decode(ids[:n])
+            assert peeked.step(ids[:n]) == plain.step(ids[:n])
+        assert peeked.text == plain.text == tok.decode(ids)
+
 def test_from_hf_dir_matches_gguf(tok: Tokenizer, hf_tok, tmp_path) -> None:
     hf_tok.save_pretrained(tmp_path)
     from_dir = Tokenizer.from_hf_dir(tmp_path)
