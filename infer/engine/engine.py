@@ -94,6 +94,11 @@ class Engine:
             model = tile_weights(model)
         self.model = model
         self.model_config = model.config
+        # The model may sample any id of its vocabulary, which can be padded past the
+        # tokenizer's (a tokenizer not built by `infer.load` knows nothing of it): those ids
+        # decode to "", as in HF, rather than fail the step that samples one.
+        if tokenizer is not None and tokenizer.num_ids < model.config.vocab_size:
+            tokenizer = tokenizer.for_model(model.config.vocab_size)
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         num_pages = config.num_pages

@@ -204,11 +204,26 @@ class Tokenizer:
             return cls.from_hf_dir(source.path, model_vocab_size=checkpoint.hf_config["vocab_size"])
         return cls.from_gguf(source)
 
+    def for_model(self, model_vocab_size: int) -> "Tokenizer":
+        """This tokenizer for a model that samples `model_vocab_size` ids: the ids past its own
+        vocabulary decode to "" (see `decode`). Itself where it covers them already."""
+        if model_vocab_size <= self._num_ids:
+            return self
+        return Tokenizer(self._tok, bos_id=self._bos_id, eos_ids=self._eos_ids,
+                         add_bos=self._add_bos, chat_template=self._chat_template,
+                         unk_id=self._unk_id, pad_id=self._pad_id,
+                         model_vocab_size=model_vocab_size)
+
     # -- properties ------------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def num_ids(self) -> int:
+        """The ids `decode` takes: the vocabulary's, or the model's padded past it."""
+        return self._num_ids
 
     @property
     def bos_id(self) -> int | None:

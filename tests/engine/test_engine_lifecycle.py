@@ -326,3 +326,34 @@ def test_final_only_requests_come_back_once_with_the_streamed_tokens(tiny_model)
     streamed = run(tiny_engine(tiny_model), prompts[:1], params[0]) + [
         run(tiny_engine(tiny_model), [p], sp)[0] for p, sp in zip(prompts[1:], params[1:])]
     assert [finals[i].token_ids for i in ids] == [o.token_ids for o in streamed]
+
+
+def test_ids_past_the_tokenizers_vocabulary_decode_to_nothing(tiny_model) -> None:
+    """A tokenizer with fewer ids than the model samples (a byte-level one of 258 under the tiny
+    model's 512, built without `model_vocab_size`): the ids past it decode to "" in the
+    engine's requests, as in HF, rather than fail the step that samples one."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from infer.io.tokenizer import Tokenizer
+
+    backend = tokenizers.Tokenizer(models.BPE(
+        {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>"])
+    tok = Tokenizer(backend, bos_id=256, eos_ids=[257], add_bos=False, chat_template=None)
+    assert tok.vocab_size == 258 < TINY.vocab_size
+    engine = Engine(tiny_model, tok, EngineConfig(max_num_seqs=4, max_prefill_tokens=16,
+                                                  max_model_len=64, page_size=4))
+    rng = random.Random(4)
+    for trial in range(40):
+        ids = [rng.randrange(TINY.vocab_size) for _ in range(rng.randint(1, 10))]
+        params = SamplingParams(max_tokens=len(ids), ignore_eos=True, seed=0,
+                                output_kind=rng.choice(OUTPUT_KINDS),
+                                stop=["\x00\x00\x00"] if rng.random() < 0.5 else None)
+        request = engine.make_request(prompt_token_ids=[1], params=params)
+        for i, token in enumerate(ids):
+            assert request.append(token) == (i == len(ids) - 1)
+        known = [t for t in ids if t < tok.vocab_size]
+        assert request.output().text == tok.decode(known, skip_special_tokens=True)
