@@ -313,6 +313,10 @@ def paged_prefill_attention(
                          f"(q {q.shape})")
     if tree_mask is not None and tree_mask.shape != (B, T, T):
         raise ValueError(f"tree_mask {tree_mask.shape} must be [B, T, T] = {(B, T, T)} (q {q.shape})")
+    if tree_mask is not None and tree_mask.dtype != jnp.bool_:
+        # The kernels read the mask as 0/1 (a one-hot matmul thresholded at 0.5), the reference
+        # as nonzero: a float or integer mask of other values would make them disagree.
+        raise ValueError(f"tree_mask {tree_mask.shape} must be bool, got {tree_mask.dtype}")
     qls, lens = _concrete(q_lens), _concrete(lengths)
     if qls is not None and (qls.min(initial=0) < 0 or qls.max(initial=0) > T):
         raise ValueError(f"q_lens {qls.tolist()} must lie in [0, T={T}] (q {q.shape})")

@@ -587,3 +587,15 @@ def test_validation_prefill_shapes():
                                 tree_mask=jnp.ones((2, 3, 2), bool))
     with pytest.raises(ValueError, match=r"q \(2, 4, 64\) must be \[B, T, H, D\]"):
         paged_prefill_attention(q[:, 0], k, v, lens, jnp.asarray([3, 1]), table)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.uint8])
+def test_validation_tree_mask_dtype(dtype):
+    """A non-bool tree mask is refused: the kernels threshold it at 0.5, the reference reads any
+    nonzero as visible, so a float 0.3 (or an int -1) was served with outputs that disagree."""
+    _, k, v, _, _, table = _small_cache()
+    q = jnp.zeros((2, 3, 4, D))
+    mask = jnp.tril(jnp.ones((2, 3, 3), dtype))
+    with pytest.raises(ValueError, match=rf"tree_mask \(2, 3, 3\) must be bool, got {jnp.dtype(dtype)}"):
+        paged_prefill_attention(q, k, v, jnp.asarray([5, 9]), jnp.asarray([3, 1]), table,
+                                tree_mask=mask, interpret=True)
