@@ -69,6 +69,12 @@ _jit_interpret = jax.jit(_paged_attention_impl, static_argnames=_STATIC,
 
 
 def _paged_attention_pallas(*args, interpret, **kwargs):
+    q, page_tables = args[0], args[5]
+    if q.size == 0 or page_tables.shape[1] == 0:
+        # Nothing to attend: no queries, or no table slots (then every length is 0, and a row of
+        # length 0 gives zeros). The kernels' grids and blocks would be empty, and their block
+        # arithmetic divides by these sizes.
+        return jnp.zeros(q.shape, q.dtype)
     # compiler_options are only allowed on a top-level jit, not inside a caller's trace.
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
     fn = _jit_interpret if interpret is not False and not traced else _jit_compiled
@@ -395,6 +401,8 @@ def ragged_paged_attention(
     backend, interpret = _resolve_backend(backend, interpret)
     _check_backend_limits(backend, k_pages, k_scales, kv_format)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+    if q.shape[0] == 0:  # no tokens: nothing to gather the padded rows from
+        return jnp.zeros(q.shape, q.dtype)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     # Rows padded to max_q_len: token t of row b is q[cu[b] + t] for t < q_lens[b].

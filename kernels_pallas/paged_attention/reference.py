@@ -40,7 +40,7 @@ def attend_reference(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
     s = jnp.where(vis, s, -jnp.inf)
     # Zero values no query sees: unused slots may hold NaN, and 0 * NaN is NaN.
     v = jnp.where(jnp.any(visible, axis=1)[:, :, None, None], v, 0.0)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # initial: S may be 0
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("btkrs,bskd->btkrd", p, v, precision=HIGHEST) / jnp.where(l > 0, l, 1.0)

@@ -599,3 +599,35 @@ def test_validation_tree_mask_dtype(dtype):
     with pytest.raises(ValueError, match=rf"tree_mask \(2, 3, 3\) must be bool, got {jnp.dtype(dtype)}"):
         paged_prefill_attention(q, k, v, jnp.asarray([5, 9]), jnp.asarray([3, 1]), table,
                                 tree_mask=mask, interpret=True)
+
+
+# --- empty shapes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_empty_shapes_give_empty_or_zero_outputs(backend):
+    """No queries (T = 0, B = 0, N = 0) or no table slots (max_pages = 0, so every length is 0):
+    the entry points return what the references do (empty, or zeros for rows of length 0)
+    instead of dividing by the empty sizes (ZeroDivisionError) or gathering from nothing."""
+    k = jnp.zeros((4, K, 8, D), jnp.float32)
+    H = 2 * K
+    zeros, table = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
+    kw = dict(backend=backend, interpret=True)
+    calls = {
+        "prefill T=0": (lambda: paged_prefill_attention(jnp.zeros((2, 0, H, D)), k, k, zeros, zeros, table, **kw),
+                        lambda: paged_prefill_attention_reference(jnp.zeros((2, 0, H, D)), k, k, zeros, zeros, table)),
+        "decode B=0": (lambda: paged_attention(jnp.zeros((0, H, D)), k, k, zeros[:0], table[:0], **kw),
+                       lambda: paged_attention_reference(jnp.zeros((0, H, D)), k, k, zeros[:0], table[:0])),
+        "ragged N=0": (lambda: ragged_paged_attention(jnp.zeros((0, H, D)), k, k, zeros, jnp.zeros(3, jnp.int32), table, max_q_len=1, **kw),
+                       lambda: ragged_paged_attention_reference(jnp.zeros((0, H, D)), k, k, zeros, jnp.zeros(3, jnp.int32), table)),
+        "decode max_pages=0": (lambda: paged_attention(jnp.ones((2, H, D)), k, k, zeros, table[:, :0], **kw),
+                               lambda: paged_attention_reference(jnp.ones((2, H, D)), k, k, zeros, table[:, :0])),
+        "ragged max_pages=0": (lambda: ragged_paged_attention(jnp.ones((3, H, D)), k, k, zeros, jnp.asarray([0, 0, 0]), table[:, :0], max_q_len=2, **kw),
+                               lambda: ragged_paged_attention_reference(jnp.ones((3, H, D)), k, k, zeros, jnp.asarray([0, 0, 0]), table[:, :0])),
+    }
+    for name, (kernel, reference) in calls.items():
+        want = reference()
+        got = kernel()
+        assert got.shape == want.shape, name
+        np.testing.assert_array_equal(np.asarray(got), np.zeros(want.shape), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(want), np.zeros(want.shape), err_msg=name)
