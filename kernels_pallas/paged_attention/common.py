@@ -85,8 +85,12 @@ def online_softmax_pages(q_planes, pages, m, l, accs, small=False):
 
 
 def finalize(acc, l, row_ok):
-    """acc / l, with zeros for padding rows and rows that saw nothing (length 0), not NaN."""
-    return jnp.where(row_ok & (l > 0), acc / jnp.where(l > 0, l, 1.0), 0.0)
+    """acc / l, with zeros for padding rows and rows that saw nothing (length 0), not NaN.
+
+    A row that saw a key has l >= 1 (its largest score contributes exp(0)), so l == 0 means it
+    saw nothing. Test l != 0, not l > 0: a NaN l (a NaN or inf key it saw) must stay NaN, as
+    in the reference, rather than pass for a row that saw nothing and come out as zeros."""
+    return jnp.where(row_ok & (l != 0), acc / jnp.where(l != 0, l, 1.0), 0.0)
 
 
 __all__ = ["MASK", "HIGHEST", "visible", "scores", "weighted_sum", "online_softmax_step",

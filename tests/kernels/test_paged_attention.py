@@ -631,3 +631,28 @@ def test_empty_shapes_give_empty_or_zero_outputs(backend):
         assert got.shape == want.shape, name
         np.testing.assert_array_equal(np.asarray(got), np.zeros(want.shape), err_msg=name)
         np.testing.assert_array_equal(np.asarray(want), np.zeros(want.shape), err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nan_or_inf_key_in_a_row_stays_nan(backend, seed):
+    """A NaN or inf key inside a row's length (a float16 cache entry that overflowed) makes the
+    queries that see it NaN, as in the reference; those that do not see it are unaffected. The
+    kernels' finalize took the NaN denominator for a row that saw nothing and returned zeros, a
+    plausible value that hid the overflow."""
+    rng = np.random.default_rng(seed)
+    G, T, B = 8, 4, 3
+    lengths = rng.integers(T + 1, MAX_PAGES * G + 1, size=B)
+    q_lens = np.full(B, T)
+    k, v, _, _, table = make_cache(seed, "float32", lengths.tolist(), G, MAX_PAGES)
+    b = int(rng.integers(B))
+    slot = int(rng.integers(lengths[b] - 2, lengths[b]))  # one of the chunk's last two tokens
+    k = k.at[table[b, slot // G], int(rng.integers(K)), slot % G].set(
+        [jnp.nan, jnp.inf][seed % 2])
+    q = jnp.asarray(rng.standard_normal((B, T, 2 * K, D)), jnp.float32)
+    args = (q, k, v, jnp.asarray(lengths), jnp.asarray(q_lens), table)
+    want = np.asarray(paged_prefill_attention_reference(*args))
+    got = np.asarray(paged_prefill_attention(*args, backend=backend, interpret=True))
+    assert np.isnan(want).any() and not np.isnan(want).all()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
