@@ -306,6 +306,11 @@ ffi::Error paged_attention_impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       lengths.dimensions()[0] != s.B || q_lens.dimensions().size() != 1 ||
       q_lens.dimensions()[0] != s.B || s.K == 0 || s.H % s.K != 0)
     return ffi::Error::InvalidArgument("paged_attention_cpu: shapes disagree");
+  // The kernel writes one float per element of q: an output of another shape would be written
+  // past its end.
+  const auto od = out->dimensions();
+  if (!std::equal(od.begin(), od.end(), qd.begin(), qd.end()))
+    return ffi::Error::InvalidArgument("paged_attention_cpu: out must be q's shape, float32");
   if (s.B == 0 || s.T == 0 || s.H == 0 || s.D == 0) return ffi::Error::Success();
   if (s.P == 0 || s.n == 0 || s.G == 0)
     return ffi::Error::InvalidArgument("paged_attention_cpu: no pages to read");

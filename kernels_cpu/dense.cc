@@ -1162,6 +1162,10 @@ ffi::Error dense_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs
     if ((strips ? wd[1] : packed ? 2 * wd[1] : nk ? wd[1] : wd[0]) != K)
       return ffi::Error::InvalidArgument("dense_cpu: x and w disagree on K");
     const int64_t N = strips ? 2 * kLanes * wd[0] : packed ? 16 * wd[0] : nk ? wd[0] : wd[1];
+    // The kernel writes M x N floats: an output of another shape would be written past its end.
+    const auto od = (*out)->dimensions();
+    if (od.size() != 2 || od[0] != M || od[1] != N)
+      return ffi::Error::InvalidArgument("dense_cpu: each output must be [M, N] float32");
     float* o = (*out)->typed_data();
     if (M == 0 || N == 0) continue;
     if (K == 0) {

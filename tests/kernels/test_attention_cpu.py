@@ -149,3 +149,18 @@ def test_bad_operands_are_refused() -> None:
         cpu_attention.attend(q.astype(jnp.float16), pages, pages, lengths, q_lens, table)
     with pytest.raises(ValueError, match=r"\[B, T, H, D\]"):
         cpu_attention.attend(q[0], pages, pages, lengths, q_lens, table)
+
+
+def test_the_custom_call_refuses_an_output_of_another_shape() -> None:
+    """The kernel writes one float per element of q: an output of any other shape is refused,
+    not written past its end (these are as large or larger, so the old binding wrote in bounds
+    and said nothing; smaller ones crashed the process)."""
+    rng = np.random.default_rng(4)
+    q, k, v, _, _, lengths, q_lens, table = _case(rng, jnp.float32, jnp.float32)
+    b, t, h, d = q.shape
+    for shape in [(b, t, h * d), (b, t, h, 2 * d), (b + 1, t, h, d), (b, t, d, h) if h != d
+                  else (b, t, h, d + 1)]:
+        call = jax.ffi.ffi_call(cpu_attention.KERNEL.target,
+                                jax.ShapeDtypeStruct(shape, jnp.float32))
+        with pytest.raises(Exception, match="q's shape"):
+            jax.block_until_ready(call(q, k, v, lengths, q_lens, table, scale=np.float32(1)))

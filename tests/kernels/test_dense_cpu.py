@@ -242,6 +242,22 @@ def test_the_custom_call_refuses_strips_it_cannot_read() -> None:
             jax.block_until_ready(call(*args))
 
 
+def test_the_custom_call_refuses_outputs_of_another_shape() -> None:
+    """The kernel writes [M, N] floats per weight: an output of any other shape is refused, not
+    written past its end (these are as large or larger, so the old binding wrote in bounds and
+    said nothing; smaller ones crashed the process)."""
+    rng = np.random.default_rng(3)
+    for layout in dense_cpu.LAYOUTS:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            m, k, n = (int(v) for v in rng.integers(1, 40, size=3))
+            x, w = _operands(rng, m, k, n, layout, dtype)
+            for shape in [(n, m) if m != n else (m, n + 1), (m, 2 * n), (m * n,), (m, n, 1),
+                          (m + 1, n)]:
+                call = jax.ffi.ffi_call(dense_cpu.TARGET, jax.ShapeDtypeStruct(shape, jnp.float32))
+                with pytest.raises(Exception, match=r"\[M, N\]"):
+                    jax.block_until_ready(call(x, w, nk=layout == "nk", tiles_from=np.int64(0)))
+
+
 def test_dense_runs_the_kernel_exactly_where_rows_says() -> None:
     """`infer.model.llama.dense` hands a product to the kernel iff its (layout, dtype, rows) is
     in ROWS, under every leading shape a step gives; either way the value is the product's."""
