@@ -3,7 +3,7 @@
 Each kernel is one C++ file in this folder (with the shared `parallel.h`), built on first use
 with the machine's C++ compiler for the machine's own CPU (`-march=native`, a few seconds) into
 `~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the sources, the compiler, the
-jaxlib headers and the CPU. The kernels need x86-64 with AVX-512 (F, BW); without it, or
+jaxlib headers, the CPU and the compile flags. The kernels need x86-64 with AVX-512 (F, BW); without it, or
 without a compiler, `Kernel.available()` is False and the caller keeps XLA's computation.
 `INFER_CPU_KERNELS=0` turns them all off, to measure XLA against them.
 """
@@ -49,17 +49,36 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compiles `source` once per (sources, compiler, headers, CPU, flags) and returns the
-    library. `extra_flags` go after -march=native (tests build the paths of CPUs without
-    AVX512-BF16 with -mno-avx512bf16)."""
-    include = jax.ffi.include_dir()
+# What every kernel is compiled with: part of the cache key (`library_path`), so that changing
+# them here rebuilds the kernels instead of loading the libraries the old ones built.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+def _command(source: Path, extra_flags: tuple[str, ...], output: str) -> list[str]:
+    """The compiler's command line: FLAGS, then `extra_flags` (after -march=native's features,
+    so that they can turn one off), the headers and `source`, into `output`."""
+    return [_compiler(), *FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir(), "-I",
+            str(HERE), str(source), "-o", output]
+
+
+def library_path(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where `build` keeps `source`'s library: named by a hash of the sources, the compiler's
+    version, the jax headers, the CPU, FLAGS and `extra_flags` (not the paths: a checkout
+    elsewhere with the same sources shares the library)."""
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
                              check=True).stdout.splitlines()[0]
     texts = [source.read_text(), *(h.read_text() for h in SHARED_HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, include, jax.__version__, cpu_flags(),
-                                    *extra_flags]).encode()).hexdigest()[:16]
-    library = Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
+    key = hashlib.sha256("\0".join([*texts, version, jax.ffi.include_dir(), jax.__version__,
+                                     cpu_flags(), *FLAGS, *extra_flags]).encode()
+                         ).hexdigest()[:16]
+    return Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
+
+
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compiles `source` once per (sources, compiler, headers, CPU, command line) and returns
+    the library (`library_path`). `extra_flags` go after -march=native (tests build the paths
+    of CPUs without AVX512-BF16 with -mno-avx512bf16)."""
+    library = library_path(source, extra_flags)
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -70,9 +89,8 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        subprocess.run([_compiler(), "-O3", "-march=native", *extra_flags, "-std=c++17",
-                        "-shared", "-fPIC", "-isystem", include, "-I", str(HERE), str(source),
-                        "-o", partial], capture_output=True, text=True, check=True)
+        subprocess.run(_command(source, tuple(extra_flags), partial), capture_output=True,
+                       text=True, check=True)
         os.replace(partial, library)
     finally:
         if os.path.exists(partial):

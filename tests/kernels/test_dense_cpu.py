@@ -88,6 +88,25 @@ def test_the_bfloat16_paths_of_cpus_without_avx512_bf16() -> None:
             assert np.array_equal(np.asarray(alone[0]), np.asarray(got[row])), (seed, layout)
 
 
+def test_the_library_is_rebuilt_when_the_sources_or_the_compile_flags_change(monkeypatch,
+                                                                            tmp_path) -> None:
+    """The cache key covers what the library is built from: its source, the shared header and
+    every flag of the command line, the ones build.py always passes as well as `extra_flags`;
+    a library built otherwise is never loaded for it."""
+    from kernels_cpu import build
+
+    source = tmp_path / "kernel.cc"
+    source.write_text("// one kernel\n")
+    path = build.library_path(source)
+    assert build.library_path(source) == path
+    assert build.library_path(source, ("-mno-avx512bf16",)) != path
+    monkeypatch.setattr(build, "FLAGS", tuple(f.replace("-O3", "-O2") for f in build.FLAGS))
+    assert build.library_path(source) != path
+    monkeypatch.undo()
+    source.write_text("// another kernel\n")
+    assert build.library_path(source) != path
+
+
 def _multiply_with_tiles_from(tiles_from: int):
     return jax.jit(lambda x, w, layout: dense_cpu._call(x, (w,), layout,
                                                         tiles_from=tiles_from)[0],
