@@ -32,6 +32,8 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # place: bitcasting them first would copy the whole pool for each layer (8.8 ms a bfloat16
 # decode step of a 16-slot, 512-token engine).
 BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
+# The longest head the kernel keeps in registers (16 vectors of 16 float32; attention.cc).
+MAX_HEAD_DIM = 256
 
 
 def available() -> bool:
@@ -43,11 +45,13 @@ def _held_as(held: jnp.dtype, page_dtype: jnp.dtype) -> bool:
     return jnp.dtype(held) in (page_dtype, BITS.get(page_dtype))
 
 
-def takes_dtypes(q_dtype: jnp.dtype, kv_dtype: jnp.dtype) -> bool:
-    """Whether the kernel runs steps of these query and page dtypes here: float32 or bfloat16,
-    on CPU, and the kernel available."""
+def takes(q_dtype: jnp.dtype, kv_dtype: jnp.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs steps of these query and page dtypes and head dim here: float32
+    or bfloat16, heads of at most MAX_HEAD_DIM (the kernel refuses longer ones at run time), on
+    CPU, and the kernel available."""
     return (jnp.dtype(q_dtype) in DTYPES and jnp.dtype(kv_dtype) in DTYPES
-            and jax.default_backend() == "cpu" and available())
+            and 0 < head_dim <= MAX_HEAD_DIM and jax.default_backend() == "cpu"
+            and available())
 
 
 def _check(q, k_pages, v_pages, lengths, q_lens, page_tables, page_dtype) -> None:
@@ -84,6 +88,8 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Ar
     bfloat16 pages may come as their uint16 bits (`BITS`)."""
     page_dtype = jnp.dtype(k_pages.dtype if page_dtype is None else page_dtype)
     _check(q, k_pages, v_pages, lengths, q_lens, page_tables, page_dtype)
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the kernel takes heads of at most {MAX_HEAD_DIM}, got {q.shape[-1]}")
     if not available():
         raise RuntimeError("the CPU attention kernel is not available here "
                            "(see kernels_cpu/build.py)")

@@ -314,7 +314,7 @@ class PagedKVCache(WriteThenAttend):
                 q, pools, meta.lengths, meta.q_lens, meta.page_tables, meta.tree_mask)
         k_pages, v_pages, k_scales, v_scales = pools
         if (meta.tree_mask is None and jax.sharding.get_abstract_mesh().empty
-                and reads_in_place(self.kv_format, self.backend, q.dtype)):
+                and reads_in_place(self.kv_format, self.backend, q.dtype, q.shape[-1])):
             # On CPU each row's visible tokens are read in place, from the pages as held
             # (bfloat16 as its bits).
             return cpu_attention.attend(q, self.k[layer], self.v[layer], meta.lengths,
@@ -574,14 +574,14 @@ def hadamard_rotate(x: jax.Array, inverse: bool = False) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def reads_in_place(kv_format: str, backend: str, q_dtype: jnp.dtype) -> bool:
-    """Whether a cache of this format and backend hands every step without a tree mask to
-    `kernels_cpu.attention` (on one device), which reads each row's visible tokens from its
-    pages: the page-table width then costs nothing, so one width can serve every length. The
+def reads_in_place(kv_format: str, backend: str, q_dtype: jnp.dtype, head_dim: int) -> bool:
+    """Whether a cache of this format, backend and head dim hands every step without a tree
+    mask to `kernels_cpu.attention` (on one device), which reads each row's visible tokens from
+    its pages: the page-table width then costs nothing, so one width can serve every length. The
     one rule both `PagedKVCache` (which step goes to the kernel) and the engine (how many
     widths to compile) follow."""
     return (backend == "reference" and kv_format in ("float32", "bfloat16")
-            and cpu_attention.takes_dtypes(q_dtype, kv_format))
+            and cpu_attention.takes(q_dtype, kv_format, head_dim))
 
 
 def window_slots(kv_format: str, max_sequences: int) -> int:

@@ -113,7 +113,8 @@ class Engine:
         min_window = config.min_window
         if min_window is None:
             one_width = (tree is None and (mesh is None or mesh.size == 1)
-                         and reads_in_place(kv_format, config.attention_backend, dtype))
+                         and reads_in_place(kv_format, config.attention_backend, dtype,
+                                            model.config.head_dim))
             min_window = max_model_len if one_width else MIN_WINDOW
         self.config = dataclasses.replace(config, max_model_len=max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=kv_format, min_window=min_window)

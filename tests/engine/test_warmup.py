@@ -65,13 +65,14 @@ def test_one_window_where_every_step_reads_its_tokens_in_place(tiny_model) -> No
     dtype = tiny_model.embed[...].dtype
     for kv in ("auto", "bfloat16"):
         engine = Engine(tiny_model, None, EngineConfig(kv_cache_dtype=kv, **options))
-        assert reads_in_place(engine.config.kv_cache_dtype, "reference", dtype)
+        assert reads_in_place(engine.config.kv_cache_dtype, "reference", dtype,
+                              tiny_model.config.head_dim)
         assert engine.runner.config.window_buckets == (16,)  # 256 tokens
         assert {s.width for s in engine.runner.shapes()} == {16}
         # With one width, chunk buckets 1.5 times apart cost a program each, not one per width.
         assert engine.runner.config.prefill_buckets == (16, 24, 32, 48, 64, 96, 128, 192, 256)
     gathered = Engine(tiny_model, None, EngineConfig(kv_cache_dtype="int8", **options))
-    assert not reads_in_place("int8", "reference", dtype)
+    assert not reads_in_place("int8", "reference", dtype, tiny_model.config.head_dim)
     assert gathered.runner.config.window_buckets == (8, 16)  # 128 and 256 tokens
     assert gathered.runner.config.prefill_buckets == powers_of_two(16, 256)
     chosen = Engine(tiny_model, None, EngineConfig(min_window=64, **options))

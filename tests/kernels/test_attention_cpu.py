@@ -135,6 +135,36 @@ def test_the_paged_cache_hands_every_step_without_a_tree_mask_to_the_kernel() ->
                                        np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
+def test_heads_longer_than_the_kernel_takes_keep_the_masked_attention() -> None:
+    """The kernel keeps a head in registers up to MAX_HEAD_DIM: a paged cache with longer heads
+    hands its steps to the masked attention (it raised at run time), `attend` refuses them."""
+    from infer.cache import attention
+    from infer.cache.metadata import AttentionMetadata
+    from infer.cache.paged import PagedKVCache
+
+    rng = np.random.default_rng(6)
+    table = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
+    meta = AttentionMetadata(positions=jnp.asarray([[4, 5], [1, 2]]),
+                             lengths=jnp.asarray([6, 3]), q_lens=jnp.asarray([2, 2]),
+                             page_tables=table)
+    for d in (cpu_attention.MAX_HEAD_DIM, cpu_attention.MAX_HEAD_DIM + 16, 320):
+        cache = PagedKVCache.create(1, 4, 4, 1, d, kv_format="float32")
+        k, v = (jnp.asarray(rng.standard_normal((4, 1, 4, d)), jnp.float32) for _ in range(2))
+        cache = dataclasses.replace(cache, k=(k,), v=(v,))
+        q = jnp.asarray(rng.standard_normal((2, 2, 2, d)), jnp.float32)
+        attend_cache = jax.jit(lambda q, cache: cache.attend(0, q, meta))
+        lowered = attend_cache.lower(q, cache).as_text()
+        assert (cpu_attention.KERNEL.target in lowered) == (d <= cpu_attention.MAX_HEAD_DIM), d
+        keys = cache._gather(k, None, table, jnp.float32)
+        values = cache._gather(v, None, table, jnp.float32)
+        want = attention.masked_attention(q, keys, values,
+                                          attention.visibility_mask(meta, keys.shape[2]))
+        np.testing.assert_allclose(np.asarray(attend_cache(q, cache)), np.asarray(want),
+                                   rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="at most"):
+        cpu_attention.attend(q, k, v, meta.lengths, meta.q_lens, table)
+
+
 def test_bad_operands_are_refused() -> None:
     q = jnp.ones((2, 1, 4, 16), jnp.float32)
     pages = jnp.ones((5, 2, 4, 16), jnp.float32)
