@@ -85,16 +85,15 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     print(f"infer: building the CPU {source.stem} kernel (once per machine, a few seconds)",
           file=sys.stderr)
     # Built beside its final name and renamed, so that processes building at once (pytest
-    # workers) never load a half-written file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    try:
+    # workers) never load a half-written file. Into a new file of a folder of its own: the
+    # compiler gives a file it creates the usual mode (readable by all, as the umask allows),
+    # where one that mkstemp made (0600) stayed unreadable to the other users of a shared
+    # cache, who would find the library and fail to load it.
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        partial = os.path.join(folder, library.name)
         subprocess.run(_command(source, tuple(extra_flags), partial), capture_output=True,
                        text=True, check=True)
         os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
     return library
 
 

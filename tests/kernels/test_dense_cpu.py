@@ -107,6 +107,26 @@ def test_the_library_is_rebuilt_when_the_sources_or_the_compile_flags_change(mon
     assert build.library_path(source) != path
 
 
+def test_a_built_library_is_readable_by_whom_the_umask_allows(monkeypatch, tmp_path) -> None:
+    """build() leaves the library with the compiler's usual mode, readable by every user the
+    umask lets read (another user of a shared $INFER_CACHE_DIR loads it), and nothing else in
+    the cache: the file it was compiled into is its final one, renamed."""
+    import os
+    import stat
+
+    from kernels_cpu import build
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cc"
+    source.write_text('extern "C" int infer_test_kernel() { return 7; }\n')
+    library = build.build(source)
+    umask = os.umask(0)
+    os.umask(umask)
+    readable = (stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH) & ~umask
+    assert stat.S_IMODE(library.stat().st_mode) & readable == readable, oct(library.stat().st_mode)
+    assert sorted(p.name for p in library.parent.iterdir()) == [library.name]
+
+
 def _multiply_with_tiles_from(tiles_from: int):
     return jax.jit(lambda x, w, layout: dense_cpu._call(x, (w,), layout,
                                                         tiles_from=tiles_from)[0],
