@@ -62,15 +62,16 @@ def _command(source: Path, extra_flags: tuple[str, ...], output: str) -> list[st
 
 
 def library_path(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Where `build` keeps `source`'s library: named by a hash of the sources, the compiler's
-    version, the jax headers, the CPU, FLAGS and `extra_flags` (not the paths: a checkout
+    """Where `build` keeps `source`'s library: named by a hash of the sources, the compiler and
+    its version, the jax headers, the CPU, FLAGS and `extra_flags` (not the paths: a checkout
     elsewhere with the same sources shares the library)."""
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
-                             check=True).stdout.splitlines()[0]
+    run = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True)
+    # Its first line names the compiler; some wrappers print it on stderr, or nothing.
+    version = next(iter((run.stdout.strip() or run.stderr.strip()).splitlines()), "")
     texts = [source.read_text(), *(h.read_text() for h in SHARED_HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, jax.ffi.include_dir(), jax.__version__,
-                                     cpu_flags(), *FLAGS, *extra_flags]).encode()
-                         ).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, _compiler(), version, jax.ffi.include_dir(),
+                                     jax.__version__, cpu_flags(), *FLAGS, *extra_flags]
+                                    ).encode()).hexdigest()[:16]
     return Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
 
 

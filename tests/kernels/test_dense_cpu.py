@@ -107,6 +107,27 @@ def test_the_library_is_rebuilt_when_the_sources_or_the_compile_flags_change(mon
     assert build.library_path(source) != path
 
 
+def test_a_compiler_that_names_itself_on_stderr_still_builds(monkeypatch, tmp_path) -> None:
+    """$CXX may be a wrapper that prints its --version on stderr (or prints nothing): the
+    kernels are keyed by what it printed and built, not refused by an IndexError."""
+    import os
+
+    from kernels_cpu import build
+
+    source = tmp_path / "kernel.cc"
+    source.write_text('extern "C" int infer_test_kernel() { return 7; }\n')
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    plain, compiler = build.library_path(source), build._compiler()
+    for name, version in (("stderr", f"{compiler} --version >&2"), ("silent", ":")):
+        wrapper = tmp_path / name
+        wrapper.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then {version}; exit 0; fi\n'
+                           f'exec {compiler} "$@"\n')
+        os.chmod(wrapper, 0o755)
+        monkeypatch.setenv("CXX", str(wrapper))
+        assert build.library_path(source) != plain
+        assert build.build(source).exists()
+
+
 def test_a_built_library_is_readable_by_whom_the_umask_allows(monkeypatch, tmp_path) -> None:
     """build() leaves the library with the compiler's usual mode, readable by every user the
     umask lets read (another user of a shared $INFER_CACHE_DIR loads it), and nothing else in
