@@ -3,8 +3,9 @@
 Each kernel is one C++ file in this folder (with the shared `parallel.h`), built on first use
 with the machine's C++ compiler for the machine's own CPU (`-march=native`, a few seconds) into
 `~/.cache/infer/kernels` (or $INFER_CACHE_DIR/kernels), keyed by the sources, the compiler, the
-jaxlib headers, the CPU and the compile flags. The kernels need x86-64 with AVX-512 (F, BW); without it, or
-without a compiler, `Kernel.available()` is False and the caller keeps XLA's computation.
+jaxlib headers, the CPU and the compile flags. The kernels need x86-64 with AVX-512 (F, BW);
+without it, or without a compiler, `Kernel.available()` is False and the caller keeps XLA's
+computation.
 `INFER_CPU_KERNELS=0` turns them all off, to measure XLA against them.
 """
 

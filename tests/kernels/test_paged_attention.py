@@ -596,7 +596,8 @@ def test_validation_tree_mask_dtype(dtype):
     _, k, v, _, _, table = _small_cache()
     q = jnp.zeros((2, 3, 4, D))
     mask = jnp.tril(jnp.ones((2, 3, 3), dtype))
-    with pytest.raises(ValueError, match=rf"tree_mask \(2, 3, 3\) must be bool, got {jnp.dtype(dtype)}"):
+    message = rf"tree_mask \(2, 3, 3\) must be bool, got {jnp.dtype(dtype)}"
+    with pytest.raises(ValueError, match=message):
         paged_prefill_attention(q, k, v, jnp.asarray([5, 9]), jnp.asarray([3, 1]), table,
                                 tree_mask=mask, interpret=True)
 
@@ -613,17 +614,24 @@ def test_empty_shapes_give_empty_or_zero_outputs(backend):
     H = 2 * K
     zeros, table = jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
     kw = dict(backend=backend, interpret=True)
+    q_lens = jnp.zeros(3, jnp.int32)
+    no_slots = table[:, :0]
+
+    def both(entry, reference, *args, **options):
+        return (lambda: entry(*args, **options, **kw), lambda: reference(*args))
+
     calls = {
-        "prefill T=0": (lambda: paged_prefill_attention(jnp.zeros((2, 0, H, D)), k, k, zeros, zeros, table, **kw),
-                        lambda: paged_prefill_attention_reference(jnp.zeros((2, 0, H, D)), k, k, zeros, zeros, table)),
-        "decode B=0": (lambda: paged_attention(jnp.zeros((0, H, D)), k, k, zeros[:0], table[:0], **kw),
-                       lambda: paged_attention_reference(jnp.zeros((0, H, D)), k, k, zeros[:0], table[:0])),
-        "ragged N=0": (lambda: ragged_paged_attention(jnp.zeros((0, H, D)), k, k, zeros, jnp.zeros(3, jnp.int32), table, max_q_len=1, **kw),
-                       lambda: ragged_paged_attention_reference(jnp.zeros((0, H, D)), k, k, zeros, jnp.zeros(3, jnp.int32), table)),
-        "decode max_pages=0": (lambda: paged_attention(jnp.ones((2, H, D)), k, k, zeros, table[:, :0], **kw),
-                               lambda: paged_attention_reference(jnp.ones((2, H, D)), k, k, zeros, table[:, :0])),
-        "ragged max_pages=0": (lambda: ragged_paged_attention(jnp.ones((3, H, D)), k, k, zeros, jnp.asarray([0, 0, 0]), table[:, :0], max_q_len=2, **kw),
-                               lambda: ragged_paged_attention_reference(jnp.ones((3, H, D)), k, k, zeros, jnp.asarray([0, 0, 0]), table[:, :0])),
+        "prefill T=0": both(paged_prefill_attention, paged_prefill_attention_reference,
+                            jnp.zeros((2, 0, H, D)), k, k, zeros, zeros, table),
+        "decode B=0": both(paged_attention, paged_attention_reference,
+                           jnp.zeros((0, H, D)), k, k, zeros[:0], table[:0]),
+        "ragged N=0": both(ragged_paged_attention, ragged_paged_attention_reference,
+                           jnp.zeros((0, H, D)), k, k, zeros, q_lens, table, max_q_len=1),
+        "decode max_pages=0": both(paged_attention, paged_attention_reference,
+                                   jnp.ones((2, H, D)), k, k, zeros, no_slots),
+        "ragged max_pages=0": both(ragged_paged_attention, ragged_paged_attention_reference,
+                                   jnp.ones((3, H, D)), k, k, zeros, q_lens, no_slots,
+                                   max_q_len=2),
     }
     for name, (kernel, reference) in calls.items():
         want = reference()
