@@ -335,15 +335,19 @@ class Engine:
             self._finished.popitem(last=False)
 
     def run_until_done(self) -> None:
-        self.scheduler.draining = True
-        while self.has_unfinished():
-            self.step()
+        for _ in self.stream():
+            pass
 
     def stream(self) -> Iterator[RequestOutput]:
-        """Steps until every queued request has finished, yielding outputs as tokens arrive."""
+        """Steps until every queued request has finished, yielding outputs as tokens arrive.
+        The drain lasts this call only: a request added after it waits for its static batch
+        to fill again (`Scheduler.draining`), as on a fresh engine."""
         self.scheduler.draining = True
-        while self.has_unfinished():
-            yield from self.step()
+        try:
+            while self.has_unfinished():
+                yield from self.step()
+        finally:
+            self.scheduler.draining = False
 
     def speculative_stats(self) -> dict[str, float]:
         """Verify steps, drafts proposed and accepted, acceptance rate and tokens emitted per

@@ -113,8 +113,12 @@ class ReplicatedEngine:
         """Steps until every queued request has finished, yielding outputs as tokens arrive."""
         for replica in self.replicas:
             replica.scheduler.draining = True
-        while self.has_unfinished():
-            yield from self.step()
+        try:
+            while self.has_unfinished():
+                yield from self.step()
+        finally:  # as Engine.stream: the drain lasts this call only
+            for replica in self.replicas:
+                replica.scheduler.draining = False
 
     def run_until_done(self) -> None:
         for _ in self.stream():

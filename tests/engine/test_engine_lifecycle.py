@@ -357,3 +357,36 @@ def test_ids_past_the_tokenizers_vocabulary_decode_to_nothing(tiny_model) -> Non
             assert request.append(token) == (i == len(ids) - 1)
         known = [t for t in ids if t < tok.vocab_size]
         assert request.output().text == tok.decode(known, skip_special_tokens=True)
+
+
+# -- draining --------------------------------------------------------------------------------
+
+def test_a_drain_lasts_one_run(tiny_model) -> None:
+    """stream() and run_until_done() start a partial static batch because no more requests
+    will come during them; afterwards, a request added waits for its batch to fill, as on a
+    fresh engine (the drain once stuck, so every later request started alone)."""
+    engine = tiny_engine(tiny_model, scheduler="static")
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for trial in range(6):
+        for _ in range(rng.randint(1, 3)):
+            engine.add_request(prompt_token_ids=[rng.randrange(1, 500)] * 3, params=params)
+        how = rng.choice(("run_until_done", "stream", "stream closed early"))
+        if how == "run_until_done":
+            engine.run_until_done()
+        else:
+            stream = engine.stream()
+            next(stream)
+            if how == "stream":
+                for _ in stream:
+                    pass
+            stream.close()
+            engine.run_until_done()
+        assert not engine.scheduler.draining, how
+        waiting = rng.randint(1, engine.config.max_num_seqs - 1)
+        ids = [engine.add_request(prompt_token_ids=[7, 8], params=params) for _ in range(waiting)]
+        assert engine.seconds_until_work() == float("inf"), how
+        engine.step()
+        assert not engine.scheduler.running and len(engine.scheduler.waiting) == waiting, how
+        for i in ids:
+            engine.abort(i)
