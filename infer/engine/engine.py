@@ -182,12 +182,21 @@ class Engine:
                                  "(jax.distributed): serve it from one process")
             constraint = self._grammars().constraint(params.structured)
         if request_id is None:
-            request_id = str(self._next_id)
-            self._next_id += 1
+            request_id = self._fresh_id()
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
                        prompt=prompt, arrival_s=arrival_s, validated=self.limits,
                        constraint=constraint)
+
+    def _fresh_id(self) -> str:
+        """The next numbered id that no queued or running request holds, nor a kept finished
+        output: a caller may have chosen ids like "3" itself, and a clash would fail a later
+        add (LLM.generate's midway, after its earlier prompts were queued) or replace the
+        output `output("3")` returns."""
+        while str(self._next_id) in self.scheduler.seqs or str(self._next_id) in self._finished:
+            self._next_id += 1
+        self._next_id += 1
+        return str(self._next_id - 1)
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer, built on first use."""

@@ -42,6 +42,9 @@ class ReplicatedEngine:
                      arrival_s: float | None = None) -> Request:
         """A validated request (every replica has the same limits), with a front-wide id."""
         if request_id is None:
+            # As Engine's: skip the ids a caller chose that are still live.
+            while str(self._next_id) in self._home or str(self._next_id) in self._done:
+                self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1
         return self.replicas[0].make_request(prompt, params, prompt_token_ids=prompt_token_ids,

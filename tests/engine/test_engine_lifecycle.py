@@ -390,3 +390,29 @@ def test_a_drain_lasts_one_run(tiny_model) -> None:
         assert not engine.scheduler.running and len(engine.scheduler.waiting) == waiting, how
         for i in ids:
             engine.abort(i)
+
+
+# -- request ids -----------------------------------------------------------------------------
+
+def test_numbered_ids_skip_the_ids_callers_chose(tiny_model) -> None:
+    """A caller's own ids may look like the engine's numbered ones; a fresh id never takes a
+    live one (generate once failed midway on such a clash, its earlier prompts left queued)."""
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=4, max_model_len=64,
+                          page_size=4)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(5):
+        chosen = {str(engine._next_id + rng.randrange(6)) for _ in range(3)}
+        for i in chosen:
+            engine.add_request(prompt_token_ids=[1, 2], params=params, request_id=i)
+        if rng.random() < 0.5:  # finished, their outputs kept: still theirs after generate
+            engine.run_until_done()
+        prompts = [[rng.randrange(1, 500)] for _ in range(rng.randint(1, 6))]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.prompt_token_ids for o in outs] == prompts
+        assert not {o.request_id for o in outs} & chosen
+        assert all(len(o.token_ids) == 2 for o in outs)
+        for i in chosen:  # generate ran them too
+            assert engine.output(i).finished and engine.output(i).prompt_token_ids == [1, 2]
+        assert not engine.has_unfinished()
