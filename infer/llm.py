@@ -127,13 +127,16 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self.engine.submit(r) for r in requests]
+        # The engine runs every request it holds (ones added with add_request too): only
+        # this call's are collected and counted.
+        mine = set(ids)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=n, desc="requests")
         for out in self.engine.stream():
-            if out.finished:
+            if out.finished and out.request_id in mine:
                 finished[out.request_id] = out
                 if bar is not None:
                     bar.update(1)

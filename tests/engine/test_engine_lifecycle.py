@@ -416,3 +416,36 @@ def test_numbered_ids_skip_the_ids_callers_chose(tiny_model) -> None:
         for i in chosen:  # generate ran them too
             assert engine.output(i).finished and engine.output(i).prompt_token_ids == [1, 2]
         assert not engine.has_unfinished()
+
+
+def test_generate_counts_only_its_own_requests(tiny_model, monkeypatch) -> None:
+    """The engine runs every request it holds; generate's progress bar counts its own prompts
+    only (other requests once pushed it past its total) and returns its own outputs."""
+    import tqdm
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, desc: str) -> None:
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=4, max_model_len=64,
+                          page_size=4)
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(4):
+        others = [llm.engine.add_request(prompt_token_ids=[3, 4], params=params)
+                  for _ in range(rng.randint(0, 5))]
+        prompts = [[rng.randrange(1, 500)] for _ in range(rng.randint(1, 5))]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=True)
+        assert [o.prompt_token_ids for o in outs] == prompts
+        assert bars[-1].n == bars[-1].total == len(prompts) and bars[-1].closed
+        assert all(llm.engine.output(i).finished for i in others)
