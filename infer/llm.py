@@ -114,6 +114,10 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * n
         if len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):  # before dataclasses.replace, which raises
+                raise ValueError(f"prompt {i}: sampling params must be SamplingParams, got "
+                                 f"{type(sp).__name__}")
         # Only finished outputs are returned: none is built (or its text decoded) per token.
         sampling_params = [dataclasses.replace(sp, output_kind="final") for sp in sampling_params]
         inputs = ([dict(prompt=p) for p in prompts] if prompts is not None

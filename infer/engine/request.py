@@ -50,8 +50,13 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     if isinstance(prompt_token_ids, (str, bytes)):
         raise ValueError("prompt_token_ids must be a sequence of ints, got a string")
+    try:
+        tokens = iter(prompt_token_ids)
+    except TypeError:  # one id where a prompt's list was meant, or None
+        raise ValueError(f"prompt_token_ids must be a sequence of ints, got "
+                         f"{prompt_token_ids!r}") from None
     ids = []
-    for t in prompt_token_ids:
+    for t in tokens:
         if not is_integer(t):
             raise ValueError(f"prompt token ids must be ints, got {t!r}")
         ids.append(int(t))

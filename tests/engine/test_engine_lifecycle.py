@@ -449,3 +449,25 @@ def test_generate_counts_only_its_own_requests(tiny_model, monkeypatch) -> None:
         assert [o.prompt_token_ids for o in outs] == prompts
         assert bars[-1].n == bars[-1].total == len(prompts) and bars[-1].closed
         assert all(llm.engine.output(i).finished for i in others)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_token_ids=[1, 2, 3]), "prompt 0: prompt_token_ids must be a sequence"),
+    (dict(prompt_token_ids=[[1, 2], 7], sampling_params=SamplingParams(max_tokens=2)),
+     "prompt 1: prompt_token_ids must be a sequence"),
+    (dict(prompt_token_ids=[[1, 2]], sampling_params=[dict(max_tokens=2)]),
+     "prompt 0: sampling params must be SamplingParams"),
+    (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams(), None]),
+     "prompt 1: sampling params must be SamplingParams"),
+])
+def test_mistyped_inputs_raise_value_error(tiny_model, kwargs: dict, match: str) -> None:
+    """validate_request's promise (a ValueError naming the problem, nothing queued) holds for
+    inputs of the wrong type too: a flat id list, a bare id, a dict for SamplingParams once raised
+    TypeErrors from deep inside ('int' object is not iterable)."""
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=4, max_model_len=64,
+                          page_size=4)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(**kwargs)
+    with pytest.raises(ValueError, match="prompt_token_ids must be a sequence"):
+        llm.engine.add_request(prompt_token_ids=5)
+    assert not llm.engine.has_unfinished() and not llm.engine.scheduler.seqs
