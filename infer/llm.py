@@ -14,6 +14,7 @@ from infer.io.loader import load_on_host
 from infer.io.tokenizer import Tokenizer
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
+from infer.parallel.flags import ROUTINGS
 from infer.parallel.mesh import ParallelConfig
 from infer.parallel.placement import place_replicas
 from infer.parallel.replicas import ReplicatedEngine
@@ -22,6 +23,12 @@ from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 
 Conversation = list[dict[str, str]]
+
+
+def _check_routing(dp_routing: str) -> None:
+    """ReplicatedEngine checks it, but one replica makes none: a typo would pass unseen."""
+    if dp_routing not in ROUTINGS:
+        raise ValueError(f"dp_routing must be one of {ROUTINGS}, got {dp_routing!r}")
 
 
 class LLM:
@@ -59,15 +66,17 @@ class LLM:
             enable_compilation_cache()
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads)
         parallel.replica_meshes()  # too few devices fails before the checkpoint is read
-        config, host_model, tokenizer = load_on_host(model, dtype)
-        self._serve(config, host_model, tokenizer, EngineConfig(
+        # So does a bad engine setting: the read takes seconds, a large GGUF's minutes.
+        engine_config = EngineConfig(
             kv_cache_dtype=kv_cache_dtype, page_size=page_size, max_num_seqs=max_num_seqs,
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
             mixed_steps=mixed_steps,
-            speculative=SpeculativeConfig(**speculative) if speculative else None),
-            parallel, dp_routing)
+            speculative=SpeculativeConfig(**speculative) if speculative else None)
+        _check_routing(dp_routing)
+        config, host_model, tokenizer = load_on_host(model, dtype)
+        self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
         if warmup:
             self.engine.warmup(progress=True)
 
@@ -90,6 +99,7 @@ class LLM:
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
         EngineConfig fields, the parallel sizes are `LLM`'s."""
+        _check_routing(dp_routing)
         llm = cls.__new__(cls)
         spec = engine.pop("speculative", None)
         if isinstance(spec, dict):

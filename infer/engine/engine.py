@@ -23,17 +23,17 @@ import jax
 import jax.numpy as jnp
 
 from infer.cache.page_allocator import PageAllocator
-from infer.cache.paged import reads_in_place, window_slots
+from infer.cache.paged import ATTENTION_BACKENDS, reads_in_place, window_slots
 from infer.cache.prefix_cache import PrefixCache
 from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord, StepTimes
 from infer.engine.plan import InFlight, StepPlan
 from infer.engine.request import Request, RequestOutput, validate_request
 from infer.engine.runner import Runner, RunnerConfig
-from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
 from infer.model.llama import Llama, tile_weights
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, is_real
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
 from kernels_pallas.kv_quant import resolve_kv_format
@@ -80,6 +80,22 @@ class EngineConfig:
                                            or self.num_pages < 1):
             raise ValueError(f"num_pages must be an int >= 1 or None (one max_model_len "
                              f"sequence per slot), got {self.num_pages!r}")
+        # Every value checked here, when the config is made: LLM makes it before reading the
+        # checkpoint, and the scheduler would otherwise take a bad wait silently (a negative
+        # or NaN one starts at once, a string fails the first static step).
+        if self.scheduler not in POLICIES:
+            raise ValueError(f"scheduler must be one of {POLICIES}, got {self.scheduler!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                             f"{self.attention_backend!r}")
+        if self.kv_cache_dtype != "auto":
+            resolve_kv_format(self.kv_cache_dtype, page_formats=True)  # raises if unknown
+        if not (is_real(self.static_max_wait_s) and self.static_max_wait_s >= 0):
+            raise ValueError(f"static_max_wait_s must be a number of seconds >= 0 (inf: wait "
+                             f"for a full batch), got {self.static_max_wait_s!r}")
+        for name in ("enable_prefix_caching", "async_scheduling", "mixed_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 class Engine:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import random
 
 import jax.numpy as jnp
@@ -213,6 +214,35 @@ def test_prompts_are_tokenized_once(smollm2) -> None:
 def test_engine_config_rejects_bad_sizes(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+BAD_SETTINGS = [("scheduler", "fcfs"), ("attention_backend", "flash"),
+                ("kv_cache_dtype", "int3"), ("static_max_wait_s", -1.0),
+                ("static_max_wait_s", float("nan")), ("static_max_wait_s", "5"),
+                ("enable_prefix_caching", "no"), ("mixed_steps", 1),
+                ("async_scheduling", None), ("page_size", 0), ("dp_routing", "random"),
+                ("speculative", {"method": "ngram", "num_tokens": 0})]
+
+
+@pytest.mark.parametrize("field, value", BAD_SETTINGS)
+def test_llm_rejects_bad_settings_before_reading_the_checkpoint(
+        tiny_model, monkeypatch, field: str, value: object) -> None:
+    """Each of LLM's engine settings is checked before the checkpoint is read (seconds, a large
+    GGUF's minutes), with a ValueError; a scheduler or backend typo once surfaced only after
+    the read, and a bad static wait, a non-bool flag or a routing typo with one replica
+    passed silently (enable_prefix_caching="no" turned prefix caching on)."""
+    import infer.llm
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the settings were checked")
+
+    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
+    if field in inspect.signature(LLM).parameters:  # async_scheduling: EngineConfig's alone
+        with pytest.raises(ValueError):
+            LLM(model="tiny", compilation_cache=False, **{field: value})
+    with pytest.raises(ValueError):  # the same checks for a loaded model
+        LLM.from_loaded(TINY, tiny_model, None, **{field: value})
+    LLM.from_loaded(TINY, tiny_model, None, max_model_len=64, page_size=4)  # the good ones pass
 
 
 # -- seeds -----------------------------------------------------------------------------------
