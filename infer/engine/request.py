@@ -71,9 +71,11 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
     if limits.max_model_len is not None and need > limits.max_model_len:
         raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} exceed "
                          f"max_model_len={limits.max_model_len} ({need} positions)")
-    if limits.pool_tokens is not None and need > limits.pool_tokens:
+    # KV is written for every position but the last: the last token is never fed back.
+    slots = need - 1
+    if limits.pool_tokens is not None and slots > limits.pool_tokens:
         raise ValueError(f"{len(ids)} prompt tokens + max_tokens={params.max_tokens} need "
-                         f"{need} KV slots, more than the whole page pool holds "
+                         f"{slots} KV slots, more than the whole page pool holds "
                          f"({limits.pool_tokens})")
     return ids
 

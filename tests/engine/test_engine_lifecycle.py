@@ -18,7 +18,7 @@ from flax import nnx
 from infer.engine.engine import Engine, EngineConfig
 from infer.engine.metrics import StepTimes
 from infer.engine.plan import InFlight, StepPlan
-from infer.engine.request import FinishReason, Request, RequestLimits
+from infer.engine.request import FinishReason, Request, RequestLimits, validate_request
 from infer.llm import LLM
 from infer.model.config import get_config
 from infer.model.llama import Llama
@@ -126,6 +126,39 @@ def test_generate_queues_nothing_when_a_later_prompt_is_bad(tiny_model) -> None:
     outs = llm.generate(prompt_token_ids=[[1, 2], [3, 4]],
                         sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_a_request_that_fills_the_page_pool_exactly_runs(tiny_model) -> None:
+    """prompt + max_tokens - 1 KV slots (the last token is never fed back) fit a pool of as
+    many: such a request was refused as needing one slot more, and runs, with the tokens a
+    larger pool gives; one slot more is refused."""
+    rng = random.Random(0)
+    params = dict(max_tokens=rng.randint(1, 6), ignore_eos=True)
+    for _ in range(200):  # the check alone, at random sizes
+        pool, max_tokens = rng.randint(1, 99), rng.randint(1, 20)
+        limits = RequestLimits(pool_tokens=pool)
+        prompt = [1] * max(1, pool + 1 - max_tokens)
+        fits = len(prompt) + max_tokens - 1 <= pool
+        try:
+            validate_request(prompt, SamplingParams(max_tokens=max_tokens), limits)
+            assert fits
+        except ValueError:
+            assert not fits
+    page_size, num_pages = 4, 4
+    prompt = [rng.randrange(1, 500) for _ in range(page_size * num_pages + 1
+                                                    - params["max_tokens"])]
+    outs = []
+    for pages in (num_pages, None):
+        llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=1, max_model_len=64,
+                              page_size=page_size, num_pages=pages)
+        outs.append(llm.generate(prompt_token_ids=[prompt],
+                                 sampling_params=SamplingParams(**params))[0].token_ids)
+        assert llm.engine.allocator.num_free() == llm.engine.allocator.num_pages
+    assert outs[0] == outs[1] and len(outs[0]) == params["max_tokens"]
+    with pytest.raises(ValueError, match="page pool"):
+        LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=1, max_model_len=64,
+                        page_size=page_size, num_pages=num_pages).generate(
+            prompt_token_ids=[prompt + [1]], sampling_params=SamplingParams(**params))
 
 
 def test_a_request_is_validated_once(tiny_model, monkeypatch) -> None:
