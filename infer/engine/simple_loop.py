@@ -79,6 +79,13 @@ def decode_stream(model: Llama | DeviceSteps, prompts: Sequence[Sequence[int]],
     if plain:
         raise ValueError(f"rows {plain} ask for logprobs or structured output: the engine "
                          "(LLM, Engine) serves those, the plain loop does not")
+    # The loop stops where its caller does (`generate`: max_new_tokens and its eos_ids): a stop
+    # asked for in the params would be ignored without a word.
+    stopping = [i for i, p in enumerate(sampling) if p.stop or p.stop_token_ids]
+    if stopping:
+        raise ValueError(f"rows {stopping} ask for stop strings or stop_token_ids: the engine "
+                         "(LLM, Engine) stops at those; the plain loop runs max_new_tokens "
+                         "steps (generate: until one of its eos_ids)")
     # The loop stops after max_new_tokens whatever each row's max_tokens says: check that.
     sampling = [dataclasses.replace(p, max_tokens=max_new_tokens).with_resolved_seed()
                 for p in sampling]

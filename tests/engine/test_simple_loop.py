@@ -65,3 +65,15 @@ def test_generate_is_the_stream_at_batch_1(steps, sampling) -> None:
     paged = [int(t[0]) for t in decode_stream(steps, [PROMPT], [sampling], 12,
                                               paged=PagedLayout(page_size=8, seed=1))]
     assert paged == stream
+
+
+@pytest.mark.parametrize("params", [SamplingParams(stop=["x"]),
+                                    SamplingParams(stop_token_ids=[7]),
+                                    SamplingParams(stop_token_ids=[7], ignore_eos=True)])
+def test_stops_it_would_ignore_are_refused(steps, params) -> None:
+    """The loop runs max_new_tokens steps (generate: until an eos id it is given): a stop asked
+    for in the params, which it would ignore, is refused before any work, in the row it names."""
+    with pytest.raises(ValueError, match=r"rows \[1\] ask for stop strings or stop_token_ids"):
+        next(decode_stream(steps, [PROMPT, PROMPT], [SamplingParams(), params], 4))
+    with pytest.raises(ValueError, match="stop strings or stop_token_ids"):
+        generate(steps, PROMPT, 4, params)
