@@ -98,6 +98,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def check_request_id(request_id: object) -> None:
+    """Request ids are strings (the engine numbers its own "0", "1", ...): an int would name no
+    request, and abort(0) would stop nothing without a word."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request ids are strings, got {request_id!r}")
+
+
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, config: EngineConfig,
                  runner: Runner | None = None, mesh: jax.sharding.Mesh | None = None) -> None:
@@ -180,6 +187,8 @@ class Engine:
         """A validated request, not yet queued (tokenized here, once). Raises ValueError,
         changing nothing, if it is bad. A request without a seed gets a fresh one."""
         params = SamplingParams() if params is None else params
+        if request_id is not None:
+            check_request_id(request_id)
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompt or prompt_token_ids")
         if prompt is not None:
@@ -242,6 +251,7 @@ class Engine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its pages; returns its final output (None if unknown or
         already finished)."""
+        check_request_id(request_id)
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None

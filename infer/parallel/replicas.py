@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from typing import Iterator, Sequence
 
-from infer.engine.engine import Callback, Engine
+from infer.engine.engine import Callback, Engine, check_request_id
 from infer.engine.request import Request, RequestOutput
 from infer.parallel.flags import ROUTINGS
 from infer.sampling_params import SamplingParams
@@ -75,6 +75,7 @@ class ReplicatedEngine:
     add_request = Engine.add_request
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        check_request_id(request_id)
         replica = self._home.get(request_id)
         if replica is None:
             return None

@@ -534,3 +534,20 @@ def test_mistyped_inputs_raise_value_error(tiny_model, kwargs: dict, match: str)
     with pytest.raises(ValueError, match="prompt_token_ids must be a sequence"):
         llm.engine.add_request(prompt_token_ids=5)
     assert not llm.engine.has_unfinished() and not llm.engine.scheduler.seqs
+
+
+@pytest.mark.parametrize("request_id", [0, 1.0, None, b"0", ("0",)])
+def test_request_ids_are_strings(tiny_model, request_id) -> None:
+    """The engine numbers its requests "0", "1", ...: abort(0) once stopped nothing without a
+    word, and add_request took an int id that abort("0") could not name. Both refuse a non-str
+    id (add_request's None is its own fresh id), changing nothing."""
+    engine = tiny_engine(tiny_model)
+    first = engine.add_request(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=2))
+    assert first == "0"
+    with pytest.raises(ValueError, match="request ids are strings"):
+        engine.abort(request_id)
+    if request_id is not None:
+        with pytest.raises(ValueError, match="request ids are strings"):
+            engine.add_request(prompt_token_ids=[3], params=SamplingParams(max_tokens=2),
+                               request_id=request_id)
+    assert list(engine.scheduler.seqs) == ["0"] and engine.abort("0") is not None
