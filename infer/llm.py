@@ -14,7 +14,7 @@ from infer.io.loader import load_on_host
 from infer.io.tokenizer import Tokenizer
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
-from infer.parallel.flags import ROUTINGS
+from infer.parallel.flags import check_routing
 from infer.parallel.mesh import ParallelConfig
 from infer.parallel.placement import place_replicas
 from infer.parallel.replicas import ReplicatedEngine
@@ -23,12 +23,6 @@ from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 
 Conversation = list[dict[str, str]]
-
-
-def _check_routing(dp_routing: str) -> None:
-    """ReplicatedEngine checks it, but one replica makes none: a typo would pass unseen."""
-    if dp_routing not in ROUTINGS:
-        raise ValueError(f"dp_routing must be one of {ROUTINGS}, got {dp_routing!r}")
 
 
 class LLM:
@@ -74,7 +68,7 @@ class LLM:
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
             mixed_steps=mixed_steps,
             speculative=SpeculativeConfig(**speculative) if speculative else None)
-        _check_routing(dp_routing)
+        check_routing(dp_routing)
         config, host_model, tokenizer = load_on_host(model, dtype)
         self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
         if warmup:
@@ -99,7 +93,7 @@ class LLM:
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
         EngineConfig fields, the parallel sizes are `LLM`'s."""
-        _check_routing(dp_routing)
+        check_routing(dp_routing)
         llm = cls.__new__(cls)
         spec = engine.pop("speculative", None)
         if isinstance(spec, dict):

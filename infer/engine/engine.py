@@ -28,7 +28,7 @@ from infer.cache.prefix_cache import PrefixCache
 from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord, StepTimes
 from infer.engine.plan import InFlight, StepPlan
-from infer.engine.request import Request, RequestOutput, validate_request
+from infer.engine.request import Request, RequestIds, RequestOutput, validate_request
 from infer.engine.runner import Runner, RunnerConfig
 from infer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
@@ -174,7 +174,7 @@ class Engine:
         self.num_steps = 0
         self._finished: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
         self._callbacks: dict[str, Callback] = {}
-        self._next_id = 0
+        self._ids = RequestIds()
         self._in_flight: InFlight | None = None  # a step dispatched ahead (async_scheduling)
         self._grammar_compiler: GrammarCompiler | None = None
 
@@ -207,21 +207,12 @@ class Engine:
                                  "(jax.distributed): serve it from one process")
             constraint = self._grammars().constraint(params.structured)
         if request_id is None:
-            request_id = self._fresh_id()
+            request_id = self._ids.fresh(
+                lambda i: i in self.scheduler.seqs or i in self._finished)
         eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         return Request(request_id, ids, params.with_resolved_seed(), self.tokenizer, eos,
                        prompt=prompt, arrival_s=arrival_s, validated=self.limits,
                        constraint=constraint)
-
-    def _fresh_id(self) -> str:
-        """The next numbered id that no queued or running request holds, nor a kept finished
-        output: a caller may have chosen ids like "3" itself, and a clash would fail a later
-        add (LLM.generate's midway, after its earlier prompts were queued) or replace the
-        output `output("3")` returns."""
-        while str(self._next_id) in self.scheduler.seqs or str(self._next_id) in self._finished:
-            self._next_id += 1
-        self._next_id += 1
-        return str(self._next_id - 1)
 
     def _grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer, built on first use."""

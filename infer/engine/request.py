@@ -8,7 +8,7 @@ import enum
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
 from infer.sampling_params import SamplingParams, is_integer
@@ -21,6 +21,21 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"
+
+
+class RequestIds:
+    """Numbered request ids "0", "1", ... for requests made without one. A caller may choose
+    ids like "3" itself, so a number still held (`taken`: queued, running or a kept finished
+    output) is skipped: a clash would fail a later add, or replace the output kept under it."""
+
+    def __init__(self) -> None:
+        self.next_number = 0
+
+    def fresh(self, taken: Callable[[str], bool]) -> str:
+        while taken(str(self.next_number)):
+            self.next_number += 1
+        self.next_number += 1
+        return str(self.next_number - 1)
 
 
 @dataclasses.dataclass(frozen=True)

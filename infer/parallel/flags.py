@@ -9,6 +9,13 @@ from absl import flags
 ROUTINGS = ("least_loaded", "prefix")
 
 
+def check_routing(routing: str) -> None:
+    """Raises ValueError for a routing not in ROUTINGS: `LLM` checks it even with one replica,
+    which routes nothing, so that a typo never passes unseen."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"dp_routing must be one of {ROUTINGS}, got {routing!r}")
+
+
 def define_parallel_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("tensor_parallel_size", 1, "devices per model replica (heads, FFN and "
                          "vocabulary split over them)", flag_values=flag_values)

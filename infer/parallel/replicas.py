@@ -14,8 +14,8 @@ import collections
 from typing import Iterator, Sequence
 
 from infer.engine.engine import Callback, Engine, check_request_id
-from infer.engine.request import Request, RequestOutput
-from infer.parallel.flags import ROUTINGS
+from infer.engine.request import Request, RequestIds, RequestOutput
+from infer.parallel.flags import check_routing
 from infer.sampling_params import SamplingParams
 
 
@@ -23,8 +23,7 @@ class ReplicatedEngine:
     def __init__(self, replicas: Sequence[Engine], routing: str = "least_loaded") -> None:
         if not replicas:
             raise ValueError("data parallelism needs at least one engine replica")
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        check_routing(routing)
         if routing == "prefix" and replicas[0].prefix_cache is None:
             raise ValueError("prefix-aware routing needs enable_prefix_caching=True")
         self.replicas = list(replicas)
@@ -34,7 +33,7 @@ class ReplicatedEngine:
         self._home: dict[str, Engine] = {}  # live request id -> the replica serving it
         # Finished ones, as many as a replica keeps the outputs of.
         self._done: collections.OrderedDict[str, Engine] = collections.OrderedDict()
-        self._next_id = 0
+        self._ids = RequestIds()
 
     def make_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                      prompt_token_ids: Sequence[int] | None = None,
@@ -42,11 +41,7 @@ class ReplicatedEngine:
                      arrival_s: float | None = None) -> Request:
         """A validated request (every replica has the same limits), with a front-wide id."""
         if request_id is None:
-            # As Engine's: skip the ids a caller chose that are still live.
-            while str(self._next_id) in self._home or str(self._next_id) in self._done:
-                self._next_id += 1
-            request_id = str(self._next_id)
-            self._next_id += 1
+            request_id = self._ids.fresh(lambda i: i in self._home or i in self._done)
         return self.replicas[0].make_request(prompt, params, prompt_token_ids=prompt_token_ids,
                                              request_id=request_id, arrival_s=arrival_s)
 

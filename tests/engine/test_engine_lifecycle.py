@@ -18,7 +18,8 @@ from flax import nnx
 from infer.engine.engine import Engine, EngineConfig
 from infer.engine.metrics import StepTimes
 from infer.engine.plan import InFlight, StepPlan
-from infer.engine.request import FinishReason, Request, RequestLimits, validate_request
+from infer.engine.request import (FinishReason, Request, RequestIds, RequestLimits,
+                                  validate_request)
 from infer.llm import LLM
 from infer.model.config import get_config
 from infer.model.llama import Llama
@@ -466,7 +467,7 @@ def test_numbered_ids_skip_the_ids_callers_chose(tiny_model) -> None:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     for _ in range(5):
-        chosen = {str(engine._next_id + rng.randrange(6)) for _ in range(3)}
+        chosen = {str(engine._ids.next_number + rng.randrange(6)) for _ in range(3)}
         for i in chosen:
             engine.add_request(prompt_token_ids=[1, 2], params=params, request_id=i)
         if rng.random() < 0.5:  # finished, their outputs kept: still theirs after generate
@@ -551,3 +552,14 @@ def test_request_ids_are_strings(tiny_model, request_id) -> None:
             engine.add_request(prompt_token_ids=[3], params=SamplingParams(max_tokens=2),
                                request_id=request_id)
     assert list(engine.scheduler.seqs) == ["0"] and engine.abort("0") is not None
+
+
+def test_request_ids_skip_every_taken_number() -> None:
+    rng = random.Random()
+    ids, handed = RequestIds(), []
+    taken = {str(rng.randrange(40)) for _ in range(15)}
+    for _ in range(20):
+        handed.append(ids.fresh(taken.__contains__))
+    assert len(set(handed)) == 20 and not set(handed) & taken
+    assert sorted(map(int, handed)) == [int(h) for h in handed]  # numbered in order
+    assert all(str(n) in taken or str(n) in handed for n in range(int(handed[-1])))

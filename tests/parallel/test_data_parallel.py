@@ -94,3 +94,23 @@ def test_front_rejects_bad_configurations(grouped):
     with pytest.raises(ValueError, match="routing must be one of"):
         LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, dp_routing="random",
                         **ENGINE)
+
+
+def test_front_numbered_ids_skip_the_ids_callers_chose(grouped):
+    """The front numbers requests across replicas; a number a caller took (live, or finished
+    with its output kept) is never handed out again."""
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, **ENGINE)
+    front, rng = llm.engine, np.random.default_rng()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(4):
+        chosen = {str(front._ids.next_number + int(k)) for k in rng.integers(0, 6, 3)}
+        for i in chosen:
+            front.add_request(prompt_token_ids=[1, 2], params=params, request_id=i)
+        if rng.random() < 0.5:
+            front.run_until_done()
+        fresh = [front.add_request(prompt_token_ids=[3], params=params)
+                 for _ in range(int(rng.integers(1, 6)))]
+        assert len(set(fresh)) == len(fresh) and not set(fresh) & chosen
+        front.run_until_done()
+        for i in chosen:
+            assert front.output(i).prompt_token_ids == [1, 2]
