@@ -10,7 +10,8 @@ measures on the client:
   ITL    the gaps between a request's later such events, pooled over all requests
   E2EL   send -> the last token event (the usage event does not move it)
   TPOT   (E2EL - TTFT) / (output tokens - 1), per request with more than one token
-  output tokens: the usage chunk's `completion_tokens` (`stream_options.include_usage`)
+  output tokens: the usage chunk's `completion_tokens` (`stream_options.include_usage`); a
+         stream without one, or with an error event, is a failed request
 Aggregates: request and output throughput over the duration (first send to last completion),
 mean / median / std / --metric_percentiles of each, and goodput: requests per second meeting
 every --goodput SLO (e.g. ttft:1000,tpot:100, milliseconds).
@@ -166,7 +167,7 @@ async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     m = Measured(ok=False, start_s=start)
-    last = None
+    last = usage = None
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
@@ -178,6 +179,13 @@ async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
                     continue
                 event = json.loads(line[6:])
                 now = time.perf_counter()
+                if event.get("error"):
+                    # The server failed after its 200 (infer's engine stopping mid-stream):
+                    # what it generated is unknown, so the request is not completed.
+                    error = event["error"]
+                    m.error = (f"error event: {error.get('message', error)}"
+                               if isinstance(error, dict) else f"error event: {error}")
+                    return m
                 if event.get("choices"):
                     if last is None:
                         m.ttft_s = now - start
@@ -186,10 +194,16 @@ async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
                     last = now
                     m.text += event["choices"][0].get("text") or ""
                 if event.get("usage"):
+                    usage = event["usage"]
                     m.output_tokens = event["usage"]["completion_tokens"]
                     m.prompt_tokens = event["usage"]["prompt_tokens"]
         if last is None:
             m.error = "no token event"
+            return m
+        if usage is None:
+            # Asked for (include_usage): without it the token count, hence throughput and
+            # TPOT, would be 0 for a request counted as completed.
+            m.error = "no usage chunk: the stream did not say how many tokens it generated"
             return m
         m.latency_s = last - start
         m.ok = True

@@ -214,3 +214,66 @@ def test_the_parallel_flags_reach_infers_server_as_given(parallel) -> None:
     define_parallel_flags(server_flags)
     server_flags(["infer.serve", *bench_serve.flag_args(parallel)])
     assert parallel_kwargs(server_flags) == parallel
+
+
+class _Stream:
+    """A server's answer to one streamed request, as aiohttp hands it over: SSE lines."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.status, self.lines = 200, lines
+
+    async def __aenter__(self) -> "_Stream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        pass
+
+    @property
+    def content(self):
+        async def lines():
+            for line in self.lines:
+                yield line
+        return lines()
+
+
+class _Session:
+    def __init__(self, lines: list[bytes]) -> None:
+        self.lines = lines
+
+    def post(self, url: str, json: dict) -> _Stream:
+        return _Stream(self.lines)
+
+
+def _sse(event: dict | str) -> list[bytes]:
+    data = event if isinstance(event, str) else json.dumps(event)
+    return [f"data: {data}\n".encode(), b"\n"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stream_that_does_not_say_what_it_generated_is_a_failure(seed: int) -> None:
+    """A request counts as completed only when its stream ends with the usage chunk asked for
+    (stream_options.include_usage): an error event after some tokens (the server's engine
+    failed) or a stream without usage leaves the request's token count unknown, and counting
+    it completed with 0 tokens would lower the output throughput without a sign."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 6))
+    tokens = [line for i in range(n) for line in _sse(
+        {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})]
+    usage = _sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
+                                           "total_tokens": 3 + n}})
+    error = _sse({"error": {"message": "the engine stopped", "type": "InternalServerError",
+                            "code": 500}})
+    done = _sse("[DONE]")
+    item = Scheduled(0.0, "p", 3, n)
+
+    def measured(lines: list[bytes]) -> Measured:
+        return asyncio.run(bench_serve._one(_Session(lines), "http://x", "m", item))
+
+    ok = measured(tokens + usage + done)
+    assert ok.ok and ok.output_tokens == n and ok.prompt_tokens == 3 and len(ok.itl_s) == n - 1
+    failed = measured(tokens + error + done)
+    assert not failed.ok and "the engine stopped" in failed.error
+    no_usage = measured(tokens + done)
+    assert not no_usage.ok and "usage" in no_usage.error
+    row = bench_serve.summarize([ok, failed, no_usage], 1.0, [50], {})
+    assert row["completed"] == 1 and row["failed"] == 2 and row["total_output_tokens"] == n
