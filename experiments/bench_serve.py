@@ -102,6 +102,14 @@ class Scheduled:
 def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
                    range_ratio: float, seed: int) -> list[tuple[str, int, int]]:
     """vLLM's `random` dataset: (prompt text, its token count, output length) per request."""
+    _check_num_prompts(num_prompts)
+    # vLLM's range: from 1 on the lower bound clips at one token, and the lengths' mean is no
+    # longer the length the row names.
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"random_input_len and random_output_len must be >= 1, got "
+                         f"{input_len}, {output_len}")
     rng = np.random.default_rng(seed)
     lo_in, hi_in = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
     lo_out = max(1, math.floor(output_len * (1 - range_ratio)))
@@ -122,12 +130,18 @@ def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len:
     return out
 
 
+def _check_num_prompts(num_prompts: int) -> None:
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+
+
 def arrival_offsets(num_prompts: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
     """Send times from 0: gamma gaps (shape `burstiness`, mean 1/rate) cumulated and rescaled so
     that the last one is num_prompts / rate, as vLLM does; all zero for an infinite rate."""
-    if math.isinf(rate):
+    _check_num_prompts(num_prompts)
+    if rate == math.inf:
         return np.zeros(num_prompts)
-    if rate <= 0 or burstiness <= 0:
+    if not (0 < rate < math.inf and 0 < burstiness < math.inf):  # NaN too
         raise ValueError(f"request_rate and burstiness must be > 0, got {rate}, {burstiness}")
     gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), num_prompts)
     times = np.cumsum(gaps)

@@ -277,3 +277,42 @@ def test_a_stream_that_does_not_say_what_it_generated_is_a_failure(seed: int) ->
     assert not no_usage.ok and "usage" in no_usage.error
     row = bench_serve.summarize([ok, failed, no_usage], 1.0, [50], {})
     assert row["completed"] == 1 and row["failed"] == 2 and row["total_output_tokens"] == n
+
+
+class _Tokenizer:
+    """Token ids as words: decode and encode are each other's inverse."""
+
+    vocab_size = 1000
+
+    def is_special(self, t: int) -> bool:
+        return t < 3
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_a_workload_outside_vllms_ranges_is_refused_in_words() -> None:
+    """vLLM's random dataset takes a range ratio in [0, 1): past 1 the lower bound clips at one
+    token and the lengths' mean is no longer the length asked for (input 64, ratio 1.5: mean
+    80), which the row would label as 64. Empty workloads and rates that are no rate are
+    refused before anything is sent, not as an IndexError or a schedule of NaNs."""
+    data = bench_serve.random_dataset(_Tokenizer(), 50, 64, 32, 0.5, seed=0)
+    assert all(32 <= n <= 96 and 16 <= o <= 48 for _, n, o in data)
+    for ratio in (1.0, 1.5, -0.1, math.nan):
+        with pytest.raises(ValueError, match="range_ratio"):
+            bench_serve.random_dataset(_Tokenizer(), 4, 64, 32, ratio, seed=0)
+    for n_in, n_out in ((0, 32), (64, 0)):
+        with pytest.raises(ValueError, match="_len"):
+            bench_serve.random_dataset(_Tokenizer(), 4, n_in, n_out, 0.0, seed=0)
+    for num_prompts in (0, -1):
+        with pytest.raises(ValueError, match="num_prompts"):
+            bench_serve.arrival_offsets(num_prompts, 4.0, 1.0, 0)
+        with pytest.raises(ValueError, match="num_prompts"):
+            bench_serve.random_dataset(_Tokenizer(), num_prompts, 64, 32, 0.0, seed=0)
+    for rate, burstiness in ((math.nan, 1.0), (-math.inf, 1.0), (0.0, 1.0), (4.0, math.nan)):
+        with pytest.raises(ValueError, match="request_rate"):
+            bench_serve.arrival_offsets(8, rate, burstiness, 0)
+
