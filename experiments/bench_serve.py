@@ -252,9 +252,18 @@ async def run_schedule(url: str, model: str, items: Sequence[Scheduled],
     return list(results), duration
 
 
+def check_percentiles(percentiles: Sequence[float]) -> None:
+    """Refuses a percentile numpy would: before the benchmark runs, not after it (or, with no
+    completed request, never: the row would hold None for it)."""
+    bad = [p for p in percentiles if not 0 <= p <= 100]
+    if bad:
+        raise ValueError(f"metric percentiles must be in [0, 100], got {bad}")
+
+
 def summarize(results: Sequence[Measured], duration_s: float, percentiles: Sequence[float],
               goodput_ms: dict[str, float]) -> dict[str, Any]:
     """vLLM's result keys."""
+    check_percentiles(percentiles)
     ok = [m for m in results if m.ok]
     ttft = [m.ttft_s for m in ok]
     tpot = [m.tpot_s for m in ok if m.tpot_s is not None]
@@ -368,6 +377,7 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
     if "inprocess" in servers and data_parallel_size != 1:
         raise ValueError("inprocess feeds one engine's loop (experiments.serve): run "
                          "data-parallel replicas through --servers=infer")
+    check_percentiles([float(p) for p in metric_percentiles])
     slos = {}
     for g in goodput:
         name, _, ms = g.partition(":")

@@ -316,3 +316,20 @@ def test_a_workload_outside_vllms_ranges_is_refused_in_words() -> None:
         with pytest.raises(ValueError, match="request_rate"):
             bench_serve.arrival_offsets(8, rate, burstiness, 0)
 
+
+@pytest.mark.parametrize("percentile", [-1.0, 100.5, 150.0, math.nan])
+def test_percentiles_outside_0_100_are_refused_before_any_request(percentile, monkeypatch,
+                                                                    tmp_path) -> None:
+    """A percentile numpy refuses used to stop the run after the whole benchmark (the row
+    lost), or, with no completed request, to be written as a silent None."""
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_serve, "run_schedule", never)
+    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
+    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    with pytest.raises(ValueError, match="percentile"):
+        bench_serve.run(["url=http://127.0.0.1:1"], model="stub", replay=path, out="",
+                        metric_percentiles=[50.0, percentile])
+    with pytest.raises(ValueError, match="percentile"):
+        bench_serve.summarize([], 0.0, [percentile], {})
