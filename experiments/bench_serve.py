@@ -226,13 +226,21 @@ async def _one(session: Any, url: str, model: str, item: Scheduled) -> Measured:
     return m
 
 
+def check_max_concurrency(max_concurrency: int | None) -> None:
+    """None (no cap) or >= 1, for the HTTP client and the in-process loop alike: 0 must not
+    mean no cap to one of them and an error to the other."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None (no cap), got {max_concurrency}")
+
+
 async def run_schedule(url: str, model: str, items: Sequence[Scheduled],
                        max_concurrency: int | None = None, progress: bool = True
                        ) -> tuple[list[Measured], float]:
     """Sends every request at its offset; (measurements in schedule order, duration s)."""
     import aiohttp
     from tqdm import tqdm
-    limit = asyncio.Semaphore(max_concurrency or len(items))
+    check_max_concurrency(max_concurrency)
+    limit = asyncio.Semaphore(len(items) if max_concurrency is None else max_concurrency)
     bar = tqdm(total=len(items), desc=f"requests to {url}", disable=not progress)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 20,
@@ -378,6 +386,7 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         raise ValueError("inprocess feeds one engine's loop (experiments.serve): run "
                          "data-parallel replicas through --servers=infer")
     check_percentiles([float(p) for p in metric_percentiles])
+    check_max_concurrency(max_concurrency)
     slos = {}
     for g in goodput:
         name, _, ms = g.partition(":")

@@ -333,3 +333,21 @@ def test_percentiles_outside_0_100_are_refused_before_any_request(percentile, mo
                         metric_percentiles=[50.0, percentile])
     with pytest.raises(ValueError, match="percentile"):
         bench_serve.summarize([], 0.0, [percentile], {})
+
+
+@pytest.mark.parametrize("max_concurrency", [0, -2])
+def test_a_concurrency_cap_below_one_is_refused_before_any_request(max_concurrency, monkeypatch,
+                                                                   tmp_path) -> None:
+    """The HTTP client took --max_concurrency=0 as no cap (a falsy semaphore size) and wrote 0
+    in its row, while the in-process server refused it, after the HTTP servers had run."""
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_serve, "run_schedule", never)
+    monkeypatch.setattr(bench_serve, "in_process", never)
+    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
+    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    for servers in (["url=http://127.0.0.1:1"], ["inprocess"]):
+        with pytest.raises(ValueError, match="max_concurrency"):
+            bench_serve.run(servers, model="stub", replay=path, out="",
+                            max_concurrency=max_concurrency)
