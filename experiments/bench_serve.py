@@ -390,9 +390,14 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
     slos = {}
     for g in goodput:
         name, _, ms = g.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not ms:
-            raise ValueError(f"--goodput takes ttft:MS, tpot:MS, e2el:MS; got {g!r}")
-        slos[name] = float(ms)
+        try:
+            value = float(ms)
+        except ValueError:
+            value = math.nan
+        if name not in ("ttft", "tpot", "e2el") or not value >= 0:  # no request meets NaN
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS, e2el:MS with MS a number "
+                             f">= 0; got {g!r}")
+        slos[name] = value
     if "llamaserver" in servers and not llama_server_usable(
             llama_server, llama_server_gguf_path(_gguf(model), dtype), "bench_serve"):
         servers = [s for s in servers if s != "llamaserver"]

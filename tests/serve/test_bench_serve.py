@@ -351,3 +351,19 @@ def test_a_concurrency_cap_below_one_is_refused_before_any_request(max_concurren
         with pytest.raises(ValueError, match="max_concurrency"):
             bench_serve.run(servers, model="stub", replay=path, out="",
                             max_concurrency=max_concurrency)
+
+
+@pytest.mark.parametrize("slo", ["ttft:-5", "tpot:nan", "e2el:fast"])
+def test_an_slo_that_is_no_duration_is_refused_before_any_request(slo, monkeypatch,
+                                                                  tmp_path) -> None:
+    """A negative or NaN SLO made every request miss it (goodput 0 without a word); a word
+    for a number failed with float()'s error, which names no flag."""
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_serve, "run_schedule", never)
+    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
+    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    with pytest.raises(ValueError, match="--goodput"):
+        bench_serve.run(["url=http://127.0.0.1:1"], model="stub", replay=path, out="",
+                        goodput=["ttft:1000", slo])
