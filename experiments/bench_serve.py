@@ -12,7 +12,8 @@ measures on the client:
   TPOT   (E2EL - TTFT) / (output tokens - 1), per request with more than one token
   output tokens: the usage chunk's `completion_tokens` (`stream_options.include_usage`); a
          stream without one, or with an error event, is a failed request
-Aggregates: request and output throughput over the duration (first send to last completion),
+Aggregates: request and output throughput over the duration (first send to the end of the last
+request, failed or not),
 mean / median / std / --metric_percentiles of each, and goodput: requests per second meeting
 every --goodput SLO (e.g. ttft:1000,tpot:100, milliseconds).
 
@@ -255,7 +256,9 @@ async def run_schedule(url: str, model: str, items: Sequence[Scheduled],
             return m
 
         results = await asyncio.gather(*(send(i) for i in items))
-        duration = max((m.start_s + m.latency_s for m in results if m.ok), default=first) - first
+        # vLLM's: until every request has ended, failed ones too (a failure after the last
+        # completion is part of the run that the throughputs divide by).
+        duration = time.perf_counter() - first
     bar.close()
     return list(results), duration
 

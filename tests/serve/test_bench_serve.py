@@ -367,3 +367,59 @@ def test_an_slo_that_is_no_duration_is_refused_before_any_request(slo, monkeypat
     with pytest.raises(ValueError, match="--goodput"):
         bench_serve.run(["url=http://127.0.0.1:1"], model="stub", replay=path, out="",
                         goodput=["ttft:1000", slo])
+
+
+def test_the_duration_runs_until_every_request_has_ended(monkeypatch) -> None:
+    """vLLM's duration ends when the last request does, failed ones included: a request that
+    fails after the others have completed lengthens it. (It ended at the last completed
+    request's last token, so late failures raised request and output throughput.) On a clock
+    that moves only as the server answers."""
+    import aiohttp
+
+    rng = np.random.default_rng()
+    clock = [100.0]
+    token_s, fail_at = float(rng.uniform(0.5, 2.0)), float(rng.uniform(10.0, 50.0))
+    n = int(rng.integers(2, 6))
+
+    class Answer(_Stream):
+        def __init__(self, prompt: str) -> None:
+            super().__init__([])
+            self.status = 500 if prompt == "fails" else 200
+
+        async def text(self) -> str:
+            clock[0] = 100.0 + fail_at
+            return "overloaded"
+
+        @property
+        def content(self):
+            async def lines():
+                for i in range(n):
+                    clock[0] += token_s
+                    for line in _sse({"choices": [{"index": 0, "text": f"t{i}"}]}):
+                        yield line
+                for line in _sse({"choices": [], "usage": {"prompt_tokens": 1,
+                                                           "completion_tokens": n}}):
+                    yield line
+            return lines()
+
+    class Session:
+        def __init__(self, **kwargs) -> None:
+            pass
+
+        async def __aenter__(self) -> "Session":
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        def post(self, url: str, json: dict) -> Answer:
+            return Answer(json["prompt"])
+
+    monkeypatch.setattr(aiohttp, "ClientSession", Session)
+    monkeypatch.setattr(bench_serve.time, "perf_counter", lambda: clock[0])
+    items = [Scheduled(0.0, "completes", 1, n), Scheduled(0.0, "fails", 1, n)]
+    results, duration = asyncio.run(bench_serve.run_schedule("http://x", "m", items,
+                                                             progress=False))
+    assert results[0].ok and not results[1].ok
+    assert results[0].latency_s == pytest.approx(n * token_s)
+    assert duration == pytest.approx(max(fail_at, n * token_s))
