@@ -71,9 +71,17 @@ def environment() -> dict[str, Any]:
     }
 
 
+def check_repeats(repeats: int, name: str = "repeats") -> None:
+    """Refuses a timing of no samples: their median is NaN, which a row would keep."""
+    if repeats < 1:
+        raise ValueError(f"{name} must be >= 1 (timings per point), got {repeats}")
+
+
 def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of fn() in seconds, its result blocked on before the clock stops."""
     import jax
+
+    check_repeats(repeats)
 
     for _ in range(warmup):
         jax.block_until_ready(fn())
@@ -91,6 +99,8 @@ def interleaved_medians(programs: Mapping[str, Callable[..., Any]], args: Sequen
     timing is `calls` calls, and the programs take turns repeat by repeat, so that a slow
     spell of the machine falls on all of them alike."""
     import jax
+
+    check_repeats(repeats)
 
     for fn in programs.values():
         jax.block_until_ready(fn(*args))
@@ -111,6 +121,7 @@ def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: in
     generation loop returning on the host after n tokens, the way its user sees it: the medians
     of t(1) and of (t(tokens + 1) - t(1)) / tokens over `repeats`, after one untimed run that
     compiles or warms every shape."""
+    check_repeats(repeats)
     generate(tokens + 1)
     first, full = [], []
     for _ in range(repeats):

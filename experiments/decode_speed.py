@@ -34,8 +34,9 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     import jax
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, first_and_step_time, hf_greedy, load_hf_smollm2,
-                                    markdown_table, measure_ceilings, usable_peers)
+    from experiments.common import (ResultLog, check_repeats, first_and_step_time, hf_greedy,
+                                    load_hf_smollm2, markdown_table, measure_ceilings,
+                                    usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
@@ -44,7 +45,8 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     from infer.model.llama import tile_weights
     from infer.sampling_params import SamplingParams
 
-    peers = usable_peers(peers, "decode_speed")  # before any work
+    check_repeats(repeats)  # before any work
+    peers = usable_peers(peers, "decode_speed")
     log = ResultLog(out, resume=resume)
     config, model, tokenizer = load("smollm2-135m", dtype)
     steps = DeviceSteps(tile_weights(model))  # the weights as the engine holds them on one CPU

@@ -75,9 +75,9 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import (ResultLog, engine_devices, first_and_step_time, hf_greedy,
-                                    load_hf_smollm2, markdown_table, measure_ceilings, one_engine,
-                                    usable_peers)
+    from experiments.common import (ResultLog, check_repeats, engine_devices,
+                                    first_and_step_time, hf_greedy, load_hf_smollm2,
+                                    markdown_table, measure_ceilings, one_engine, usable_peers)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.buckets import window_bucket
@@ -88,6 +88,7 @@ def run(*, batch_sizes: list[int], dtypes: list[str], tokens: int, prompt_len: i
 
     if tokens < 4:
         raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    check_repeats(repeats)
     devices = one_engine("engine_overhead", tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     split = not devices.parallel.is_single_device

@@ -173,6 +173,10 @@ def _time_steps(step: Callable[[], Any], *, repeats: int, steps_per_sample: int
     import jax
     import numpy as np
 
+    from experiments.common import check_repeats
+
+    check_repeats(repeats)
+    check_repeats(steps_per_sample, "steps_per_sample")
     t0 = time.perf_counter()
     jax.block_until_ready(step())
     first = time.perf_counter() - t0
@@ -239,11 +243,14 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from experiments.common import ResultLog, markdown_table, measure_ceilings, plot_path
+    from experiments.common import (ResultLog, check_repeats, markdown_table,
+                                    measure_ceilings, plot_path)
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
     from infer.io.loader import load, resolve_dtype
 
+    check_repeats(repeats)  # before any work
+    check_repeats(steps_per_sample, "steps_per_sample")
     config, model, _ = load("smollm2-135m", dtype)
     steps = DeviceSteps(model)
     weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(steps.params)))

@@ -105,3 +105,37 @@ def test_schedule_warms_up_for_the_steps_asked_only() -> None:
             ramp = 1e-3 * np.arange(w + 1) / w if w else np.array([1e-3])
             np.testing.assert_allclose(lrs[:w + 1], ramp, atol=1e-9, err_msg=f"{total} {warmup}")
             assert (lrs[w:] > 0).all() and (np.diff(lrs[w:]) <= 1e-9).all(), (total, warmup)
+
+
+@pytest.mark.parametrize("repeats", [0, -1])
+def test_timing_with_no_sample_is_refused_not_a_nan(repeats: int, tmp_path) -> None:
+    """A median of no timings is NaN (numpy warns, then returns it): the row would be written
+    with NaN step times and throughputs, and --resume would keep it."""
+    from experiments import decode_speed, engine_overhead, roofline
+    from experiments.common import first_and_step_time, interleaved_medians, median_time
+
+    calls = []
+    fn = lambda *args: calls.append(args) or 0.0
+    with pytest.raises(ValueError, match="repeats"):
+        median_time(fn, repeats=repeats)
+    with pytest.raises(ValueError, match="repeats"):
+        interleaved_medians({"f": fn}, (), repeats)
+    with pytest.raises(ValueError, match="repeats"):
+        first_and_step_time(fn, 4, repeats)
+    with pytest.raises(ValueError, match="repeats"):
+        roofline._time_steps(fn, repeats=repeats, steps_per_sample=4)
+    with pytest.raises(ValueError, match="steps_per_sample"):
+        roofline._time_steps(fn, repeats=3, steps_per_sample=repeats)
+    assert not calls  # refused before any (untimed) call
+    with pytest.raises(ValueError, match="repeats"):
+        engine_overhead.run(batch_sizes=[1], dtypes=["float32"], tokens=8, prompt_len=16,
+                            repeats=repeats, peers=["none"], out=str(tmp_path / "o.jsonl"))
+    for run in (lambda: decode_speed.run(batch_sizes=[1], dtype="float32", tokens=8,
+                                         prompt_len=16, repeats=repeats, peers=["none"],
+                                         out=str(tmp_path / "d.jsonl")),
+                lambda: roofline.run(batch_sizes=[1], prefill_lengths=[16], prefill_batch=1,
+                                     context=16, dtype="float32", kv_dtype="float32",
+                                     repeats=repeats, steps_per_sample=2, knee_factor=1.5,
+                                     out=str(tmp_path / "r.jsonl"))):
+        with pytest.raises(ValueError, match="repeats"):
+            run()
