@@ -90,6 +90,8 @@ def make_workload(ids: Sequence[int], *, num_requests: int, rate: float, prompt_
                   prompt_max: int, output_shape: float, output_scale: float, output_cap: int,
                   seed: int) -> list[WorkItem]:
     """Poisson arrivals; prompts are slices of real text; outputs Pareto(shape, scale), capped."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
     arrivals, lengths, outputs = poisson_pareto(
         rng, num_requests=num_requests, rate=rate, prompt_min=prompt_min, prompt_max=prompt_max,

@@ -70,7 +70,9 @@ INSTRUCTIONS = (  # of the chat-formatted training prompts
 
 def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     """Arrival times of a Poisson process of `rate` per unit time (float [n], increasing; the
-    first after one gap)."""
+    first after one gap); rate inf: all at 0."""
+    if not rate > 0:  # NaN too: NaN arrivals are never reached by a loop that waits for them
+        raise ValueError(f"rate must be > 0 (arrivals per second), got {rate}")
     return np.cumsum(rng.exponential(1.0 / rate, n))
 
 

@@ -4,6 +4,7 @@ held-out split and the trainers' batches."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -139,3 +140,22 @@ def test_timing_with_no_sample_is_refused_not_a_nan(repeats: int, tmp_path) -> N
                                      out=str(tmp_path / "r.jsonl"))):
         with pytest.raises(ValueError, match="repeats"):
             run()
+
+
+@pytest.mark.parametrize("rate", [0.0, -2.0, math.nan])
+def test_a_rate_that_is_no_rate_is_refused_in_words(rate: float) -> None:
+    """Rate 0 failed as a ZeroDivisionError, a negative one as numpy's "scale < 0"; NaN gave NaN
+    arrivals, which experiments.serve's loop never reaches: it spun for ever."""
+    from experiments.serve import make_workload
+    from experiments.workloads import poisson_arrivals
+
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(np.random.default_rng(0), 4, rate)
+    with pytest.raises(ValueError, match="rate"):
+        make_workload(list(range(1000)), num_requests=4, rate=rate, prompt_min=4, prompt_max=8,
+                      output_shape=1.5, output_scale=4.0, output_cap=16, seed=0)
+    assert not poisson_arrivals(np.random.default_rng(0), 4, math.inf).any()  # all at once
+    assert poisson_arrivals(np.random.default_rng(0), 0, 2.0).shape == (0,)
+    with pytest.raises(ValueError, match="num_requests"):
+        make_workload(list(range(1000)), num_requests=0, rate=2.0, prompt_min=4, prompt_max=8,
+                      output_shape=1.5, output_scale=4.0, output_cap=16, seed=0)
