@@ -161,7 +161,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str],
                     model_vocab_size: int | None = None) -> "Tokenizer":
-        """From tokenizer.json, with tokenizer_config.json / generation_config.json if present.
+        """From tokenizer.json, with tokenizer_config.json and generation_config.json (else
+        config.json) for the special tokens, if present.
         `model_vocab_size`: the model's vocabulary, when larger than the tokenizer's (see
         `decode`)."""
         path = os.fspath(path)
@@ -173,7 +174,10 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on bad files
             raise ValueError(f"{tok_path}: could not be loaded: {e}") from e
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        gen = _read_json(os.path.join(path, "generation_config.json"))
+        gen_path = os.path.join(path, "generation_config.json")
+        # Without generation_config.json, HF and vLLM take generation settings from config.json
+        # (GenerationConfig.from_model_config), its eos_token_id list included.
+        gen = _read_json(gen_path if os.path.isfile(gen_path) else os.path.join(path, "config.json"))
 
         def token_id(key: str) -> int | None:
             content = _token_content(cfg.get(key))

@@ -298,3 +298,37 @@ def test_chat_prompt_gets_no_bos_the_template_does_not_write(bos_adding_dir: str
     out = llm.chat(messages, SamplingParams(max_tokens=1))[0]
     assert out.prompt_token_ids == want
     assert out.prompt == ours.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("with_generation_config", [False, True])
+def test_from_hf_dir_eos_ids_of_config_json(tmp_path, with_generation_config: bool) -> None:
+    """Without a generation_config.json, HF's generate and vLLM take the model's generation
+    settings from config.json (`GenerationConfig.from_model_config`): its eos_token_id list
+    (Llama-3.1's [<|end_of_text|>, <|eom_id|>, <|eot_id|>], say) ends generation too. With one,
+    that file's list is the one they use."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>", "<|end|>", "<|stop|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    eos, end, stop = (backend.token_to_id(t) for t in ("</s>", "<|end|>", "<|stop|>"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [eos, end]}))
+    if with_generation_config:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    want = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id \
+        if with_generation_config else transformers.GenerationConfig.from_model_config(
+            transformers.AutoConfig.from_pretrained(tmp_path)).eos_token_id
+    want = want if isinstance(want, list) else [want]
+    got = Tokenizer.from_hf_dir(tmp_path).eos_ids
+    assert set(want) <= set(got) and got[0] == eos
+    assert (end in got) is not with_generation_config
