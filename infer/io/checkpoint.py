@@ -317,6 +317,11 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in by_name.items():
         if name == "rope_freqs.weight":
+            if config["rope_scaling"] is not None:
+                # llama.cpp applies both; keeping either alone would run the model mis-scaled.
+                kind = config["rope_scaling"]["rope_type"]
+                raise ValueError(f"{path}: rope_freqs together with {kind} RoPE scaling in the "
+                                 "metadata is not supported")
             config["rope_scaling"] = _llama3_scaling_from_rope_freqs(
                 _dequantize(tensor, path), config["rope_theta"], config["head_dim"], path)
             continue

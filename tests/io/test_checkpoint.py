@@ -260,9 +260,10 @@ def test_gguf_truncated_in_tensor_data(tmp_path) -> None:
 
 
 def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = None,
-                     dtype=np.float32, metadata: dict[str, float] | None = None) -> None:
+                     dtype=np.float32, metadata: dict[str, float] | None = None,
+                     extra: dict[str, np.ndarray] | None = None) -> None:
     """Writes a tiny HF Llama as llama.cpp would: Q/K rows permuted, ggml names, llama.* keys
-    (and the float `metadata` keys given)."""
+    (and the float `metadata` keys and `extra` tensors given)."""
     import gguf
 
     c = model.config
@@ -305,6 +306,8 @@ def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = Non
             w = permute(w, c.num_key_value_heads)
         if gname != drop:
             writer.add_tensor(gname, w.astype(dtype) if w.ndim == 2 else w)  # norms stay F32
+    for gname, w in (extra or {}).items():
+        writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -346,6 +349,25 @@ def test_gguf_rope_factor_one_is_no_scaling(tmp_path) -> None:
     ckpt = read_gguf(path)
     assert ckpt.hf_config["rope_scaling"] is None
     assert LlamaConfig.from_hf_dict(ckpt.hf_config).rope_scaling is None
+
+
+@pytest.mark.parametrize("freqs", ["ones", "llama3"])
+def test_gguf_rope_freqs_beside_a_scaling_factor_is_refused(tmp_path, freqs: str) -> None:
+    # llama.cpp applies both the per-frequency factors of rope_freqs and the metadata's scaling;
+    # taking rope_freqs alone (all ones read as no scaling) would run a scaled model unscaled.
+    hd = 8
+    if freqs == "ones":
+        factors = np.ones(hd // 2, np.float32)
+    else:  # Llama-3-style divisors: 1 at high frequencies up to the factor at low ones
+        factors = np.float32([1.0, 1.5, 3.0, 4.0])
+    path = tmp_path / "both.gguf"
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True),
+                     metadata={"llama.rope.scaling.factor": 4.0}, extra={"rope_freqs.weight": factors})
+    with pytest.raises(ValueError, match=r"both\.gguf: .*rope_freqs.*linear"):
+        read_gguf(path)
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True), extra={"rope_freqs.weight":
+                                                                     np.ones(hd // 2, np.float32)})
+    assert read_gguf(path).hf_config["rope_scaling"] is None
 
 
 def test_gguf_not_llama(tmp_path) -> None:
