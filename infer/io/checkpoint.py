@@ -183,10 +183,11 @@ def _gguf_tokenizer(reader: Any, path: str) -> GGUFTokenizerData:
     types = _meta(reader, "tokenizer.ggml.token_type", None)
     extra_eos = tuple(i for i in (opt_int("tokenizer.ggml.eot_token_id"),
                                   opt_int("tokenizer.ggml.eom_token_id")) if i is not None)
+    pre = _meta(reader, "tokenizer.ggml.pre", None)
     return GGUFTokenizerData(
         path=path,
         model=str(_meta(reader, "tokenizer.ggml.model")),
-        pre=_meta(reader, "tokenizer.ggml.pre", None),
+        pre=pre,
         tokens=tokens,
         token_types=tuple(int(t) for t in types) if types is not None else (1,) * len(tokens),
         merges=tuple(_meta(reader, "tokenizer.ggml.merges", ())),
@@ -195,7 +196,9 @@ def _gguf_tokenizer(reader: Any, path: str) -> GGUFTokenizerData:
         unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
         pad_id=opt_int("tokenizer.ggml.padding_token_id"),
         extra_eos_ids=extra_eos,
-        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp's default where the file has no flag: BOS for the Llama-3 pre-tokenizer
+        # (older Llama-3 files carry none), none for the other byte-level BPEs.
+        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", pre == "llama-bpe")),
         chat_template=_meta(reader, "tokenizer.chat_template", None),
     )
 

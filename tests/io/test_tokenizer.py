@@ -332,3 +332,29 @@ def test_from_hf_dir_eos_ids_of_config_json(tmp_path, with_generation_config: bo
     got = Tokenizer.from_hf_dir(tmp_path).eos_ids
     assert set(want) <= set(got) and got[0] == eos
     assert (end in got) is not with_generation_config
+
+
+@pytest.mark.parametrize("pre,flag,want", [("llama-bpe", None, True), ("llama-bpe", False, False),
+                                           ("smollm", None, False), ("gpt2", True, True)])
+def test_gguf_add_bos_default_follows_llama_cpp(tmp_path, pre: str, flag, want: bool) -> None:
+    """llama.cpp adds BOS for the Llama-3 pre-tokenizer unless the file says otherwise (its
+    llama-bpe arm sets add_bos; tokenizer.ggml.add_bos_token, when present, overrides): older
+    Llama-3 GGUFs carry no flag, and their prompts would lack <|begin_of_text|>."""
+    import gguf
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "<|begin_of_text|>"])
+    writer.add_token_types([1, 1, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(2)
+    if flag is not None:
+        writer.add_add_bos_token(flag)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    meta = read_gguf_tokenizer(path)
+    assert meta.add_bos is want
+    assert Tokenizer.from_gguf(meta).encode("ab") == [2] * want + [0, 1]
