@@ -180,6 +180,19 @@ def test_config_from_hf_dict_checked_as_loading_is(tmp_path) -> None:
         LlamaConfig.from_hf_dict(config | {"hidden_act": "gelu"})
 
 
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings"])
+def test_llama3_rope_scaling_missing_a_parameter(key: str) -> None:
+    # HF refuses such a config too; a bare KeyError named neither the config nor the setting.
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaling.pop(key)
+    hf = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=2, rope_scaling=scaling)
+    with pytest.raises(ValueError, match=f"mine: llama3 rope_scaling has no {key!r}"):
+        LlamaConfig.from_hf_dict(hf, name="mine")
+
+
 def test_model_from_hf_tensors_refuses_unused_tensors(tmp_path) -> None:
     from infer.io.hf_weights import model_from_hf_tensors
 
