@@ -452,7 +452,13 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """A GGUF file or a HF directory, told apart by what the path is."""
     path = _require_path(path)
-    return read_hf_dir(path) if os.path.isdir(path) else read_gguf(path)
+    if os.path.isdir(path):
+        return read_hf_dir(path)
+    if path.endswith(".safetensors"):
+        # The tensors alone: the config (and tokenizer) live beside them.
+        raise ValueError(f"{path}: a safetensors file; pass the HF directory holding it and its "
+                         "config.json")
+    return read_gguf(path)
 
 
 def smollm2_gguf_path() -> str:

@@ -411,6 +411,14 @@ def test_truncated_safetensors(tmp_path) -> None:
         read_hf_dir(tmp_path)
 
 
+def test_safetensors_file_path_points_to_its_directory(tmp_path) -> None:
+    # Read as a GGUF, the file was called corrupt or truncated, sending the user the wrong way.
+    _tiny_llama(tmp_path, tied=True)
+    with pytest.raises(ValueError, match=r"model\.safetensors: a safetensors file; pass the HF "
+                                         r"directory holding it and its config\.json"):
+        read_checkpoint(tmp_path / "model.safetensors")
+
+
 def test_hf_dir_without_config(tmp_path) -> None:
     _tiny_llama(tmp_path, tied=True)
     (tmp_path / "config.json").unlink()
