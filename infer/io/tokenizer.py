@@ -320,16 +320,16 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _hf_chat_template(path: str, cfg: Mapping[str, Any]) -> str | None:
+    # Newer transformers write the template to its own file, and read that file in preference
+    # to tokenizer_config.json's entry (which an older save may have left behind).
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None:
-        # transformers 5 writes the template to its own file.
-        jinja_path = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
     return template if isinstance(template, str) else None
 
 

@@ -358,3 +358,19 @@ def test_gguf_add_bos_default_follows_llama_cpp(tmp_path, pre: str, flag, want: 
     meta = read_gguf_tokenizer(path)
     assert meta.add_bos is want
     assert Tokenizer.from_gguf(meta).encode("ab") == [2] * want + [0, 1]
+
+
+def test_from_hf_dir_chat_template_file_wins_over_tokenizer_config(bos_adding_dir: str,
+                                                                     tmp_path) -> None:
+    """HF (and so vLLM) read chat_template.jinja in preference to tokenizer_config.json's
+    chat_template: a directory holding both renders with the file's."""
+    import shutil
+
+    shutil.copytree(bos_adding_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "Hello"}]
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert want == "[user] Hello\n"
+    assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages) == want
