@@ -183,10 +183,11 @@ def _gguf_tokenizer(reader: Any, path: str) -> GGUFTokenizerData:
     types = _meta(reader, "tokenizer.ggml.token_type", None)
     extra_eos = tuple(i for i in (opt_int("tokenizer.ggml.eot_token_id"),
                                   opt_int("tokenizer.ggml.eom_token_id")) if i is not None)
+    pre = _meta(reader, "tokenizer.ggml.pre", None)
     return GGUFTokenizerData(
         path=path,
         model=str(_meta(reader, "tokenizer.ggml.model")),
-        pre=_meta(reader, "tokenizer.ggml.pre", None),
+        pre=pre,
         tokens=tokens,
         token_types=tuple(int(t) for t in types) if types is not None else (1,) * len(tokens),
         merges=tuple(_meta(reader, "tokenizer.ggml.merges", ())),
@@ -195,7 +196,9 @@ def _gguf_tokenizer(reader: Any, path: str) -> GGUFTokenizerData:
         unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
         pad_id=opt_int("tokenizer.ggml.padding_token_id"),
         extra_eos_ids=extra_eos,
-        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp's default where the file has no flag: BOS for the Llama-3 pre-tokenizer
+        # (older Llama-3 files carry none), none for the other byte-level BPEs.
+        add_bos=bool(_meta(reader, "tokenizer.ggml.add_bos_token", pre == "llama-bpe")),
         chat_template=_meta(reader, "tokenizer.chat_template", None),
     )
 
@@ -317,6 +320,11 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in by_name.items():
         if name == "rope_freqs.weight":
+            if config["rope_scaling"] is not None:
+                # llama.cpp applies both; keeping either alone would run the model mis-scaled.
+                kind = config["rope_scaling"]["rope_type"]
+                raise ValueError(f"{path}: rope_freqs together with {kind} RoPE scaling in the "
+                                 "metadata is not supported")
             config["rope_scaling"] = _llama3_scaling_from_rope_freqs(
                 _dequantize(tensor, path), config["rope_theta"], config["head_dim"], path)
             continue
@@ -444,7 +452,13 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """A GGUF file or a HF directory, told apart by what the path is."""
     path = _require_path(path)
-    return read_hf_dir(path) if os.path.isdir(path) else read_gguf(path)
+    if os.path.isdir(path):
+        return read_hf_dir(path)
+    if path.endswith(".safetensors"):
+        # The tensors alone: the config (and tokenizer) live beside them.
+        raise ValueError(f"{path}: a safetensors file; pass the HF directory holding it and its "
+                         "config.json")
+    return read_gguf(path)
 
 
 def smollm2_gguf_path() -> str:

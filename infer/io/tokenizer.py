@@ -161,7 +161,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str],
                     model_vocab_size: int | None = None) -> "Tokenizer":
-        """From tokenizer.json, with tokenizer_config.json / generation_config.json if present.
+        """From tokenizer.json, with tokenizer_config.json and generation_config.json (else
+        config.json) for the special tokens, if present.
         `model_vocab_size`: the model's vocabulary, when larger than the tokenizer's (see
         `decode`)."""
         path = os.fspath(path)
@@ -173,7 +174,10 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on bad files
             raise ValueError(f"{tok_path}: could not be loaded: {e}") from e
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
-        gen = _read_json(os.path.join(path, "generation_config.json"))
+        gen_path = os.path.join(path, "generation_config.json")
+        # Without generation_config.json, HF and vLLM take generation settings from config.json
+        # (GenerationConfig.from_model_config), its eos_token_id list included.
+        gen = _read_json(gen_path if os.path.isfile(gen_path) else os.path.join(path, "config.json"))
 
         def token_id(key: str) -> int | None:
             content = _token_content(cfg.get(key))
@@ -316,16 +320,16 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _hf_chat_template(path: str, cfg: Mapping[str, Any]) -> str | None:
+    # Newer transformers write the template to its own file, and read that file in preference
+    # to tokenizer_config.json's entry (which an older save may have left behind).
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None:
-        # transformers 5 writes the template to its own file.
-        jinja_path = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
     return template if isinstance(template, str) else None
 
 

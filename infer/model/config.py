@@ -91,6 +91,10 @@ class LlamaConfig:
             if kind != "llama3":
                 raise ValueError(f"{name}: unsupported rope_scaling type {kind!r} "
                                  "(only 'llama3' is)")
+            for key in ("factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings"):
+                if key not in scaling:
+                    raise ValueError(f"{name}: llama3 rope_scaling has no {key!r}")
             scaling = RopeScaling(
                 factor=float(scaling["factor"]),
                 low_freq_factor=float(scaling["low_freq_factor"]),

@@ -180,6 +180,19 @@ def test_config_from_hf_dict_checked_as_loading_is(tmp_path) -> None:
         LlamaConfig.from_hf_dict(config | {"hidden_act": "gelu"})
 
 
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings"])
+def test_llama3_rope_scaling_missing_a_parameter(key: str) -> None:
+    # HF refuses such a config too; a bare KeyError named neither the config nor the setting.
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaling.pop(key)
+    hf = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=2, rope_scaling=scaling)
+    with pytest.raises(ValueError, match=f"mine: llama3 rope_scaling has no {key!r}"):
+        LlamaConfig.from_hf_dict(hf, name="mine")
+
+
 def test_model_from_hf_tensors_refuses_unused_tensors(tmp_path) -> None:
     from infer.io.hf_weights import model_from_hf_tensors
 
@@ -260,9 +273,10 @@ def test_gguf_truncated_in_tensor_data(tmp_path) -> None:
 
 
 def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = None,
-                     dtype=np.float32, metadata: dict[str, float] | None = None) -> None:
+                     dtype=np.float32, metadata: dict[str, float] | None = None,
+                     extra: dict[str, np.ndarray] | None = None) -> None:
     """Writes a tiny HF Llama as llama.cpp would: Q/K rows permuted, ggml names, llama.* keys
-    (and the float `metadata` keys given)."""
+    (and the float `metadata` keys and `extra` tensors given)."""
     import gguf
 
     c = model.config
@@ -305,6 +319,8 @@ def _write_tiny_gguf(path, model, *, arch: str = "llama", drop: str | None = Non
             w = permute(w, c.num_key_value_heads)
         if gname != drop:
             writer.add_tensor(gname, w.astype(dtype) if w.ndim == 2 else w)  # norms stay F32
+    for gname, w in (extra or {}).items():
+        writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -348,6 +364,25 @@ def test_gguf_rope_factor_one_is_no_scaling(tmp_path) -> None:
     assert LlamaConfig.from_hf_dict(ckpt.hf_config).rope_scaling is None
 
 
+@pytest.mark.parametrize("freqs", ["ones", "llama3"])
+def test_gguf_rope_freqs_beside_a_scaling_factor_is_refused(tmp_path, freqs: str) -> None:
+    # llama.cpp applies both the per-frequency factors of rope_freqs and the metadata's scaling;
+    # taking rope_freqs alone (all ones read as no scaling) would run a scaled model unscaled.
+    hd = 8
+    if freqs == "ones":
+        factors = np.ones(hd // 2, np.float32)
+    else:  # Llama-3-style divisors: 1 at high frequencies up to the factor at low ones
+        factors = np.float32([1.0, 1.5, 3.0, 4.0])
+    path = tmp_path / "both.gguf"
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True),
+                     metadata={"llama.rope.scaling.factor": 4.0}, extra={"rope_freqs.weight": factors})
+    with pytest.raises(ValueError, match=r"both\.gguf: .*rope_freqs.*linear"):
+        read_gguf(path)
+    _write_tiny_gguf(path, _tiny_llama(tmp_path, tied=True), extra={"rope_freqs.weight":
+                                                                     np.ones(hd // 2, np.float32)})
+    assert read_gguf(path).hf_config["rope_scaling"] is None
+
+
 def test_gguf_not_llama(tmp_path) -> None:
     _write_tiny_gguf(tmp_path / "gpt2.gguf", _tiny_llama(tmp_path, tied=True), arch="gpt2")
     with pytest.raises(ValueError, match="architecture is 'gpt2'"):
@@ -374,6 +409,14 @@ def test_truncated_safetensors(tmp_path) -> None:
     (tmp_path / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor .*corrupt or truncated"):
         read_hf_dir(tmp_path)
+
+
+def test_safetensors_file_path_points_to_its_directory(tmp_path) -> None:
+    # Read as a GGUF, the file was called corrupt or truncated, sending the user the wrong way.
+    _tiny_llama(tmp_path, tied=True)
+    with pytest.raises(ValueError, match=r"model\.safetensors: a safetensors file; pass the HF "
+                                         r"directory holding it and its config\.json"):
+        read_checkpoint(tmp_path / "model.safetensors")
 
 
 def test_hf_dir_without_config(tmp_path) -> None:

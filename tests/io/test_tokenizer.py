@@ -298,3 +298,79 @@ def test_chat_prompt_gets_no_bos_the_template_does_not_write(bos_adding_dir: str
     out = llm.chat(messages, SamplingParams(max_tokens=1))[0]
     assert out.prompt_token_ids == want
     assert out.prompt == ours.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("with_generation_config", [False, True])
+def test_from_hf_dir_eos_ids_of_config_json(tmp_path, with_generation_config: bool) -> None:
+    """Without a generation_config.json, HF's generate and vLLM take the model's generation
+    settings from config.json (`GenerationConfig.from_model_config`): its eos_token_id list
+    (Llama-3.1's [<|end_of_text|>, <|eom_id|>, <|eot_id|>], say) ends generation too. With one,
+    that file's list is the one they use."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>", "<|end|>", "<|stop|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    eos, end, stop = (backend.token_to_id(t) for t in ("</s>", "<|end|>", "<|stop|>"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [eos, end]}))
+    if with_generation_config:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    want = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id \
+        if with_generation_config else transformers.GenerationConfig.from_model_config(
+            transformers.AutoConfig.from_pretrained(tmp_path)).eos_token_id
+    want = want if isinstance(want, list) else [want]
+    got = Tokenizer.from_hf_dir(tmp_path).eos_ids
+    assert set(want) <= set(got) and got[0] == eos
+    assert (end in got) is not with_generation_config
+
+
+@pytest.mark.parametrize("pre,flag,want", [("llama-bpe", None, True), ("llama-bpe", False, False),
+                                           ("smollm", None, False), ("gpt2", True, True)])
+def test_gguf_add_bos_default_follows_llama_cpp(tmp_path, pre: str, flag, want: bool) -> None:
+    """llama.cpp adds BOS for the Llama-3 pre-tokenizer unless the file says otherwise (its
+    llama-bpe arm sets add_bos; tokenizer.ggml.add_bos_token, when present, overrides): older
+    Llama-3 GGUFs carry no flag, and their prompts would lack <|begin_of_text|>."""
+    import gguf
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "<|begin_of_text|>"])
+    writer.add_token_types([1, 1, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(2)
+    if flag is not None:
+        writer.add_add_bos_token(flag)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    meta = read_gguf_tokenizer(path)
+    assert meta.add_bos is want
+    assert Tokenizer.from_gguf(meta).encode("ab") == [2] * want + [0, 1]
+
+
+def test_from_hf_dir_chat_template_file_wins_over_tokenizer_config(bos_adding_dir: str,
+                                                                     tmp_path) -> None:
+    """HF (and so vLLM) read chat_template.jinja in preference to tokenizer_config.json's
+    chat_template: a directory holding both renders with the file's."""
+    import shutil
+
+    shutil.copytree(bos_adding_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "Hello"}]
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert want == "[user] Hello\n"
+    assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages) == want
