@@ -46,8 +46,9 @@ def recompute_greedy(model) -> Callable[[list[int], int], tuple[list[int], list[
     return greedy
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_engine_greedy_equals_full_recompute(tiny_model, seed: int) -> None:
+@pytest.mark.parametrize("run", range(2))
+def test_engine_greedy_equals_full_recompute(tiny_model, run: int) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # a fresh setup each run, named below
     rng = np.random.default_rng(seed)
     page = int(rng.choice([1, 2, 4, 8, 16]))
     config = EngineConfig(
@@ -76,7 +77,7 @@ def test_engine_greedy_equals_full_recompute(tiny_model, seed: int) -> None:
     for i, (prompt, max_tokens, k) in zip(ids, requests):
         out = engine.output(i)
         tokens, logprobs = greedy(prompt, max_tokens)
-        assert out.token_ids == tokens, (config, len(prompt), max_tokens)
+        assert out.token_ids == tokens, (seed, config, len(prompt), max_tokens)
         if k is not None:
             np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logprobs, atol=1e-4,
-                                       err_msg=f"{config}, prompt of {len(prompt)}")
+                                       err_msg=f"seed {seed}, {config}, prompt of {len(prompt)}")
