@@ -225,3 +225,25 @@ def test_smollm2_tp3_gives_one_device_greedy_tokens(smollm2_4_layers):
                      prompts, 6, 0.0)
     assert three == one
     assert jax.device_count() >= 3
+
+
+def test_async_collectives_count_their_results_only():
+    """On GPU, XLA splits an all-gather or a collective-permute into a -start whose value is a
+    tuple of its operand and its result (and, for a permute, two u32 contexts): the bytes are the
+    result's, as for the synchronous op, while an all-reduce-start's value is its result alone
+    (a tuple only when it reduces several arrays)."""
+    rng = np.random.default_rng()
+    rows, vocab, embed = (int(n) for n in rng.integers(1, 64, 3))
+    sync = (f"%ag = f32[{rows},{vocab}]{{1,0}} all-gather(f32[{rows},{vocab // 2}]{{1,0}} %x)\n"
+            f"%cp = bf16[{embed}]{{0}} collective-permute(bf16[{embed}]{{0}} %y)\n"
+            f"%ar = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce(%a, %b)\n")
+    split = (f"%ag-start = (f32[{rows},{vocab // 2}]{{1,0}}, f32[{rows},{vocab}]{{1,0}}) "
+             f"all-gather-start(f32[{rows},{vocab // 2}]{{1,0}} %x)\n"
+             f"%ag-done = f32[{rows},{vocab}]{{1,0}} all-gather-done(%ag-start)\n"
+             f"%cp-start = (bf16[{embed}]{{0}}, bf16[{embed}]{{0}}, u32[], u32[]) "
+             f"collective-permute-start(bf16[{embed}]{{0}} %y)\n"
+             f"%cp-done = bf16[{embed}]{{0}} collective-permute-done(%cp-start)\n"
+             f"%ar-start = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce-start(%a, %b)\n"
+             f"%ar-done = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce-done(%ar-start)\n")
+    assert collectives(split) == collectives(sync)
+    assert collectives(sync).bytes["all-gather"] == rows * vocab * 4
