@@ -247,3 +247,14 @@ def test_async_collectives_count_their_results_only():
              f"%ar-done = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce-done(%ar-start)\n")
     assert collectives(split) == collectives(sync)
     assert collectives(sync).bytes["all-gather"] == rows * vocab * 4
+
+
+@pytest.mark.parametrize("t,pad", [(3, False), (2, True), (6, False)])
+def test_a_tiled_model_is_refused_before_its_heads_are_laid_out(grouped, t, pad):
+    """A one-CPU engine's model (`LLM.model`, in the kernel's tile layout) handed to a mesh: the
+    same clear error whichever head layout the size needs (padding and replicating reshaped the
+    packed weights first and failed with numpy's reshape error)."""
+    from infer.model.llama import tile_weights
+    tiled = tile_weights(grouped)
+    with pytest.raises(ValueError, match="tile layout"):
+        place_replicas(tiled, ParallelConfig(t, 1, pad))
