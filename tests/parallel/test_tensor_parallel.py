@@ -258,3 +258,12 @@ def test_a_tiled_model_is_refused_before_its_heads_are_laid_out(grouped, t, pad)
     tiled = tile_weights(grouped)
     with pytest.raises(ValueError, match="tile layout"):
         place_replicas(tiled, ParallelConfig(t, 1, pad))
+
+
+@pytest.mark.parametrize("field,value", [("tensor_parallel_size", 0), ("data_parallel_size", 2.0),
+                                         ("tensor_parallel_size", True), ("pad_heads", "no"),
+                                         ("pad_heads", 1), ("pad_heads", None)])
+def test_parallel_config_refuses_values_of_the_wrong_kind(field, value):
+    """pad_heads="no" (a string from a config file) is truthy: it padded without a word."""
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**{field: value})
