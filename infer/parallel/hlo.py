@@ -16,6 +16,9 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16
 # pairs count once, by their -start.
 _OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+# Async starts whose value holds their operand beside their result (an all-reduce-start's is its
+# result alone).
+_START_WITH_OPERAND = ("all-gather", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,26 @@ def collectives(hlo_text: str) -> Collectives:
             continue
         result, kind = match.group(1), match.group(2)
         counts[kind] += 1
+        if match.group(3) and kind in _START_WITH_OPERAND:
+            # The -start's value is (operand, result[, contexts]): only the result is received.
+            result = _tuple_elements(result)[1]
         for dtype, dims in _SHAPE.findall(result):
             shape = [int(d) for d in dims.split(",") if d]
             sizes[kind] += int(np.prod(shape)) * _DTYPE_BYTES.get(dtype, 4)
     return Collectives(counts, sizes)
+
+
+def _tuple_elements(text: str) -> list[str]:
+    """The top-level elements of an HLO tuple shape `(a, (b, c), d)`."""
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(text):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        if (char == "," and depth == 1) or depth == 0:
+            elements.append(text[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return elements

@@ -34,6 +34,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.pad_heads, bool):  # "no" would be truthy, and pad
+            raise ValueError(f"pad_heads must be a bool, got {self.pad_heads!r}")
 
     @property
     def num_devices(self) -> int:

@@ -36,11 +36,8 @@ def _shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> list[Named
 def place_model(model: Llama, mesh: Mesh | None, rules: ShardingRules = DEFAULT_RULES) -> Llama:
     """The model with every weight on the mesh (sharded by its logical axes), or on the default
     device without a mesh. Weights may be numpy arrays or jax arrays anywhere."""
-    if mesh is not None and is_tiled(model):
-        # The logical axes name an [in, out] weight's two dims, not a packed layout's three or
-        # four.
-        raise ValueError("this model's projections are in the CPU kernel's tile layout "
-                         "(`tile_weights`, for one device): place the model as loaded")
+    if mesh is not None:
+        _check_untiled(model)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     if mesh is None:
@@ -49,6 +46,14 @@ def place_model(model: Llama, mesh: Mesh | None, rules: ShardingRules = DEFAULT_
         placed = [jax.device_put(leaf, sharding)
                   for leaf, sharding in zip(leaves, _shardings(state, mesh, rules))]
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, placed))
+
+
+def _check_untiled(model: Llama) -> None:
+    if is_tiled(model):
+        # The logical axes (and a head layout) name an [in, out] weight's two dims, not a packed
+        # layout's three or four.
+        raise ValueError("this model's projections are in the CPU kernel's tile layout "
+                         "(`tile_weights`, for one device): place the model as loaded")
 
 
 def bytes_per_device(arrays: list[jax.Array]) -> dict[jax.Device, int]:
@@ -72,6 +77,7 @@ def place_replicas(model: Llama, parallel: ParallelConfig,
     if parallel.is_single_device:
         return [(place_model(model, None), None)]
     meshes = parallel.replica_meshes(devices)  # too few devices fails here, before any copy
+    _check_untiled(model)  # before a head layout reshapes its packed weights
     layout = head_layout(model.config, parallel.tensor_parallel_size, parallel.pad_heads)
     if layout.way != "split":
         logger().info("tensor_parallel_size=%d: heads %s", parallel.tensor_parallel_size,

@@ -225,3 +225,45 @@ def test_smollm2_tp3_gives_one_device_greedy_tokens(smollm2_4_layers):
                      prompts, 6, 0.0)
     assert three == one
     assert jax.device_count() >= 3
+
+
+def test_async_collectives_count_their_results_only():
+    """On GPU, XLA splits an all-gather or a collective-permute into a -start whose value is a
+    tuple of its operand and its result (and, for a permute, two u32 contexts): the bytes are the
+    result's, as for the synchronous op, while an all-reduce-start's value is its result alone
+    (a tuple only when it reduces several arrays)."""
+    rng = np.random.default_rng()
+    rows, vocab, embed = (int(n) for n in rng.integers(1, 64, 3))
+    sync = (f"%ag = f32[{rows},{vocab}]{{1,0}} all-gather(f32[{rows},{vocab // 2}]{{1,0}} %x)\n"
+            f"%cp = bf16[{embed}]{{0}} collective-permute(bf16[{embed}]{{0}} %y)\n"
+            f"%ar = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce(%a, %b)\n")
+    split = (f"%ag-start = (f32[{rows},{vocab // 2}]{{1,0}}, f32[{rows},{vocab}]{{1,0}}) "
+             f"all-gather-start(f32[{rows},{vocab // 2}]{{1,0}} %x)\n"
+             f"%ag-done = f32[{rows},{vocab}]{{1,0}} all-gather-done(%ag-start)\n"
+             f"%cp-start = (bf16[{embed}]{{0}}, bf16[{embed}]{{0}}, u32[], u32[]) "
+             f"collective-permute-start(bf16[{embed}]{{0}} %y)\n"
+             f"%cp-done = bf16[{embed}]{{0}} collective-permute-done(%cp-start)\n"
+             f"%ar-start = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce-start(%a, %b)\n"
+             f"%ar-done = (f32[{rows},{embed}]{{1,0}}, f32[{embed}]{{0}}) all-reduce-done(%ar-start)\n")
+    assert collectives(split) == collectives(sync)
+    assert collectives(sync).bytes["all-gather"] == rows * vocab * 4
+
+
+@pytest.mark.parametrize("t,pad", [(3, False), (2, True), (6, False)])
+def test_a_tiled_model_is_refused_before_its_heads_are_laid_out(grouped, t, pad):
+    """A one-CPU engine's model (`LLM.model`, in the kernel's tile layout) handed to a mesh: the
+    same clear error whichever head layout the size needs (padding and replicating reshaped the
+    packed weights first and failed with numpy's reshape error)."""
+    from infer.model.llama import tile_weights
+    tiled = tile_weights(grouped)
+    with pytest.raises(ValueError, match="tile layout"):
+        place_replicas(tiled, ParallelConfig(t, 1, pad))
+
+
+@pytest.mark.parametrize("field,value", [("tensor_parallel_size", 0), ("data_parallel_size", 2.0),
+                                         ("tensor_parallel_size", True), ("pad_heads", "no"),
+                                         ("pad_heads", 1), ("pad_heads", None)])
+def test_parallel_config_refuses_values_of_the_wrong_kind(field, value):
+    """pad_heads="no" (a string from a config file) is truthy: it padded without a word."""
+    with pytest.raises(ValueError, match=field):
+        ParallelConfig(**{field: value})
