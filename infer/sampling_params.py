@@ -97,7 +97,8 @@ class StructuredOutput:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """vLLM-style sampling parameters. A temperature below SAMPLING_EPS (0 included) is
-    greedy; top_k 0 and top_p 1 disable them, as does a top_k of the vocabulary's size or more.
+    greedy; top_k 0 (or -1, as vLLM takes it; stored as 0) and top_p 1 disable them, as does a
+    top_k of the vocabulary's size or more.
 
     seed None (the default) means a fresh seed per request, as in vLLM: two unseeded requests
     draw independent noise. The engine fixes it when the request is created
@@ -140,8 +141,13 @@ class SamplingParams:
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if is_integer(self.top_k) and self.top_k == -1:
+            # vLLM's older "all tokens" (long its default): params written for it mean
+            # off, and one spelling of off keeps equal params equal.
+            object.__setattr__(self, "top_k", 0)
         if not (is_integer(self.top_k) and self.top_k >= 0):
-            problems.append(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+            problems.append(f"top_k must be an int >= 0, or -1 (0 and -1 disable it), got "
+                            f"{self.top_k!r}")
         if not (is_integer(self.max_tokens) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not (self.seed is None or (is_integer(self.seed) and 0 <= self.seed < 2**32)):

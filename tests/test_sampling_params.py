@@ -96,3 +96,15 @@ def test_a_temperature_below_the_epsilon_is_greedy(temperature: float, greedy: b
     assert params.greedy == greedy
     row = float(SamplingArrays.from_params([params]).temperature[0])
     assert (row == 0.0) == greedy
+
+
+@pytest.mark.parametrize("t", INT_TYPES[:5])
+def test_a_top_k_of_minus_one_is_off_as_in_vllm(t: type) -> None:
+    """vLLM takes top_k 0 or -1 (its old default) for "all tokens": -1 was refused here, so
+    params written for vLLM failed. It is the one spelling of off, 0, from then on."""
+    params = SamplingParams(temperature=1.0, top_k=t(-1), seed=3)
+    assert params == SamplingParams(temperature=1.0, top_k=0, seed=3)
+    assert int(SamplingArrays.from_params([params]).top_k[0]) == 0
+    for bad in (-2, -100):
+        with pytest.raises(ValueError, match="top_k must be"):
+            SamplingParams(top_k=t(bad))
