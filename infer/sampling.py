@@ -157,8 +157,11 @@ def _truncate(scaled: jax.Array, sampling: SamplingArrays) -> jax.Array:
     vocab = scaled.shape[-1]
     ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
     rank = jnp.arange(vocab)[None, :]
-    top_k = jnp.where(sampling.top_k > 0, sampling.top_k, vocab)[:, None]
-    ordered = jnp.where(rank < top_k, ordered, -jnp.inf)
+    top_k = jnp.minimum(jnp.where(sampling.top_k > 0, sampling.top_k, vocab), vocab)[:, None]
+    # Top-k keeps every token tied with the k-th (as vLLM's mask by value does), so the nucleus
+    # below is measured over all of them, not over k of them.
+    kth = jnp.take_along_axis(ordered, top_k - 1, axis=-1)
+    ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
     probs = jax.nn.softmax(ordered, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # Keep a token while the mass of the tokens ranked above it is below top_p; the first always.

@@ -348,3 +348,37 @@ def test_argmax_is_jnp_argmax_on_ties_nans_and_infinities() -> None:
         np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     row = jnp.full((1, 7), -jnp.inf)
     assert int(fn(row)[0]) == 0
+
+
+def _warp_reference(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """vLLM's order over one row: top-k by value (ties with the k-th kept), then the nucleus of
+    what is left (a token kept while the mass ranked above it is below top_p; ties with the
+    last kept token kept)."""
+    kept = np.isfinite(x)
+    if top_k:
+        kept &= x >= np.sort(x)[::-1][min(top_k, len(x)) - 1]
+    probs = np.where(kept, np.exp(x - x.max()), 0)
+    probs /= probs.sum()
+    order = np.argsort(-x, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]
+    if top_p >= 1:
+        return kept
+    nucleus = ((before < top_p) | (np.arange(len(x)) == 0)) & kept[order]
+    return kept & (x >= x[order][nucleus].min())
+
+
+def test_top_k_and_top_p_keep_the_reference_set_with_ties() -> None:
+    """Logits on a coarse grid tie often (bfloat16 logits do): top-k keeps every token tied with
+    the k-th, and top-p's nucleus is measured over all of them."""
+    rng = np.random.default_rng()
+    rows, params = [], []
+    for _ in range(64):
+        rows.append(rng.integers(0, 5, V).astype(np.float32) * 0.5)
+        params.append(SamplingParams(temperature=1.0, top_k=int(rng.integers(0, V + 2)),
+                                     top_p=float(rng.choice([1.0, rng.uniform(0.05, 1.0)])),
+                                     seed=0))
+    warped = np.asarray(warp_logits(jnp.asarray(np.stack(rows)),
+                                    SamplingArrays.from_params(params)))
+    for x, p, w in zip(rows, params, warped):
+        np.testing.assert_array_equal(np.isfinite(w), _warp_reference(x, p.top_k, p.top_p),
+                                      err_msg=f"{x}, top_k {p.top_k}, top_p {p.top_p}")
