@@ -141,8 +141,11 @@ def _no_logits(batch: int) -> jax.Array:
 
 
 def _step_meta(positions: jax.Array, write: jax.Array, tables: jax.Array) -> AttentionMetadata:
-    """One token per row at `positions` [B], written only where `write` [B] bool."""
-    return AttentionMetadata.for_prefill(write.astype(jnp.int32), 1, cached=positions,
+    """One token per row at `positions` [B], written only where `write` [B] bool. A row that
+    does not write reads nothing either (its output is unused): past its limit, its position
+    may lie beyond its page table, whose width covers the slots rows write."""
+    return AttentionMetadata.for_prefill(write.astype(jnp.int32), 1,
+                                         cached=jnp.where(write, positions, 0),
                                          page_tables=tables)
 
 
@@ -205,7 +208,10 @@ class _ModelProposer:
         active = [i for i, limit in enumerate(limits) if limit > 0]
         for i in active:
             self._catch_up_long(seqs[i])
-        width = self.config.window_for(max(max(s.num_computed + k + 1, s.pages.capacity) for s in seqs))
+        # A row writes at most its limit's slots, which the scheduler reserved: a table sized
+        # for k would outgrow the largest window near max_model_len.
+        width = self.config.window_for(max(max(s.num_computed + 1 + limit, s.pages.capacity)
+                                           for s, limit in zip(seqs, limits)))
         limits_arr = np.zeros(rows, np.int32)
         limits_arr[:len(limits)] = limits
         inputs = self._chain_inputs([seqs[i] for i in active], active, rows, width,

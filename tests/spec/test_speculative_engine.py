@@ -194,3 +194,18 @@ def test_drafts_reserved_then_not_proposed_cross_a_window(tiny_model) -> None:
     out, _ = serve(tiny_model, None, [prompt], SpeculativeConfig("ngram", 8, ngram_min=3),
                    params, max_model_len=256)
     assert out == plain
+
+
+@pytest.mark.parametrize("method", ["self_draft", "eagle"])
+def test_model_drafts_near_max_model_len(tiny_model, tiny_weights, method) -> None:
+    """A draft model or head asked for fewer drafts than k (the room left before max_model_len)
+    must not size its step for k: a request that ends at max_model_len used to crash there, its
+    last steps' page tables being wider than any bucket."""
+    rng = np.random.default_rng(5)
+    spec = SpeculativeConfig(method, 5, self_draft_layers=1, eagle_path=tiny_weights["eagle"])
+    prompts = [rng.integers(1, TINY.vocab_size, n).tolist() for n in rng.integers(2, 12, 3)]
+    for prompt in prompts:
+        params = SamplingParams(max_tokens=32 - len(prompt), ignore_eos=True)
+        plain, _ = serve(tiny_model, None, [prompt], None, params, max_model_len=32)
+        out, stats = serve(tiny_model, None, [prompt], spec, params, max_model_len=32)
+        assert out == plain and stats["proposed"] > 0
