@@ -122,7 +122,8 @@ def sample_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> 
     (every token, when the vocabulary holds fewer)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    # vLLM's count: tokens at least as likely, the chosen one included (ties rank below it).
+    rank = jnp.maximum(1, jnp.sum(logp >= chosen[:, None], axis=-1, dtype=jnp.int32))
     # The logprobs variant asks for MAX_LOGPROBS whatever the model: top_k past V fails the step.
     top_logprobs, top_ids = jax.lax.top_k(logp, min(num_logprobs, logp.shape[-1]))
     return SampleLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)

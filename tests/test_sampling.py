@@ -382,3 +382,14 @@ def test_top_k_and_top_p_keep_the_reference_set_with_ties() -> None:
     for x, p, w in zip(rows, params, warped):
         np.testing.assert_array_equal(np.isfinite(w), _warp_reference(x, p.top_k, p.top_p),
                                       err_msg=f"{x}, top_k {p.top_k}, top_p {p.top_p}")
+
+
+def test_logprob_rank_counts_ties_as_vllm() -> None:
+    """rank = how many tokens are at least as likely as the chosen one (vLLM's count): a token
+    tied with others ranks after all of them, whichever index the sampler took."""
+    rng = np.random.default_rng()
+    logits = rng.integers(0, 4, (16, 20)).astype(np.float32)
+    tokens = rng.integers(0, 20, 16)
+    got = sample_logprobs(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), 3)
+    expected = [(row >= row[t]).sum() for row, t in zip(logits, tokens)]
+    np.testing.assert_array_equal(got.rank, expected)
