@@ -25,7 +25,9 @@ class SpeculationStats:
 
     def summary(self) -> dict[str, float]:
         """acceptance_rate = accepted / proposed; tokens_per_verify = tokens each verifying row
-        emitted on average (its accepted drafts and the target's own token). With trees, a
+        produced on average (its accepted drafts and the target's own token), counted, as
+        vLLM's acceptance counters are, before a stop token or max_tokens cuts the block: a
+        request's last verify step may emit fewer. With trees, a
         row's candidates are alternatives and one path at most is accepted, so the rate is far
         below a chain's for the same head: compare trees by tokens_per_verify."""
         return {**dataclasses.asdict(self),
