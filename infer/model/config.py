@@ -145,11 +145,19 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if scaling is None and rope_params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
     if scaling is not None:
+        if not isinstance(scaling, Mapping):
+            raise ValueError(f"{where}: rope_scaling must be an object, got {scaling!r:.80}")
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.pop("type", None))
         # Older configs spell "no scaling" as an explicit type "default", which HF reads so.
         if scaling["rope_type"] == "default":
             scaling = None
+        elif scaling["rope_type"] == "llama3":
+            for key, kind in (("factor", float), ("low_freq_factor", float),
+                              ("high_freq_factor", float),
+                              ("original_max_position_embeddings", int)):
+                if key in scaling:  # a missing one is refused with the model's name
+                    scaling[key] = _number(scaling, key, None, kind, f"{where}: rope_scaling")
 
     heads = raw["num_attention_heads"]
     return {
@@ -159,14 +167,36 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
         "intermediate_size": raw["intermediate_size"],
         "num_hidden_layers": raw["num_hidden_layers"],
         "num_attention_heads": heads,
-        "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-        "head_dim": int(raw.get("head_dim") or raw["hidden_size"] // heads),
-        "rope_theta": float(theta),
-        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
-        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        # HF reads null here as "not given" (the head count, hidden_size / heads).
+        "num_key_value_heads": _number(raw, "num_key_value_heads", heads, int, where,
+                                       null_is_default=True),
+        "head_dim": _number(raw, "head_dim", raw["hidden_size"] // heads, int, where,
+                            null_is_default=True),
+        "rope_theta": _number({"rope_theta": theta}, "rope_theta", None, float, where),
+        "rms_norm_eps": _number(raw, "rms_norm_eps", 1e-6, float, where),  # HF's default
+        "max_position_embeddings": _number(raw, "max_position_embeddings", 2048, int, where),
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "rope_scaling": scaling,
     }
+
+
+def _number(raw: Mapping[str, Any], key: str, default: int | float | None, kind: type,
+            where: str, null_is_default: bool = False) -> Any:
+    """`raw[key]` as `kind`, `default` where it is absent (or null, with `null_is_default`);
+    a ValueError naming the field where it is null otherwise or not a number."""
+    if key not in raw and default is not None:
+        return kind(default)
+    value = raw.get(key)
+    if value is None:
+        if not null_is_default or default is None:
+            raise ValueError(f"{where}: {key} is null")
+        return kind(default)
+    # bool is an int to Python, not a number of heads to anyone; strings are not parsed.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not float(value).is_integer()):
+        raise ValueError(f"{where}: {key} must be a{'n integer' if kind is int else ' number'}, "
+                         f"got {value!r:.80}")
+    return kind(value)
 
 
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

