@@ -161,8 +161,9 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str],
                     model_vocab_size: int | None = None) -> "Tokenizer":
-        """From tokenizer.json, with tokenizer_config.json and generation_config.json (else
-        config.json) for the special tokens, if present.
+        """From tokenizer.json, with tokenizer_config.json (and special_tokens_map.json, as
+        transformers reads it) and generation_config.json (else config.json) for the special
+        tokens, if present.
         `model_vocab_size`: the model's vocabulary, when larger than the tokenizer's (see
         `decode`)."""
         path = os.fspath(path)
@@ -174,6 +175,13 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on bad files
             raise ValueError(f"{tok_path}: could not be loaded: {e}") from e
         cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        if "added_tokens_decoder" not in cfg:
+            # Saves older than transformers 4.34 keep special tokens in special_tokens_map.json;
+            # transformers reads it for such a config (one without added_tokens_decoder) and
+            # lets its entries override the config's.
+            special = _read_json(os.path.join(path, "special_tokens_map.json"))
+            cfg = {**cfg, **{k: v for k, v in special.items()
+                             if k in ("bos_token", "eos_token", "unk_token", "pad_token")}}
         gen_path = os.path.join(path, "generation_config.json")
         # Without generation_config.json, HF and vLLM take generation settings from config.json
         # (GenerationConfig.from_model_config), its eos_token_id list included.

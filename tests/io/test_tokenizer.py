@@ -374,3 +374,39 @@ def test_from_hf_dir_chat_template_file_wins_over_tokenizer_config(bos_adding_di
     want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert want == "[user] Hello\n"
     assert Tokenizer.from_hf_dir(tmp_path).apply_chat_template(messages) == want
+
+
+@pytest.mark.parametrize("config, special_map", [
+    ({}, {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}}),
+    ({"eos_token": "<x>", "bos_token": None}, {"bos_token": "<s>", "eos_token": "</s>"}),
+    ({"bos_token": "<s>", "eos_token": "<x>", "added_tokens_decoder": {}},
+     {"bos_token": None, "eos_token": "</s>"}),
+    ({"bos_token": "<s>"}, {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}),
+])
+def test_from_hf_dir_reads_special_tokens_map(tmp_path, config: dict, special_map: dict) -> None:
+    """Older saves keep BOS/EOS in special_tokens_map.json only; transformers (so vLLM) reads
+    it where tokenizer_config.json has no added_tokens_decoder, its entries winning."""
+    import json
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>", "<x>", "<pad>", "<unk>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{{ pad_token }}|"
+         "{{ unk_token }}"} | config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_map))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    assert ours.bos_id == hf.bos_token_id
+    assert list(ours.eos_ids[:1]) == [hf.eos_token_id]
+    assert ours.encode("hi") == hf.encode("hi")
+    messages = [{"role": "user", "content": "x"}]
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False)
