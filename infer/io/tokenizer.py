@@ -139,7 +139,15 @@ class Tokenizer:
         if len(meta.token_types) != len(meta.tokens):
             raise ValueError(f"{meta.path}: {len(meta.tokens)} tokens but "
                              f"{len(meta.token_types)} token types")
-        vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+        # llama.cpp names an empty token "[EMPTY_<id>]" and refuses a list where two ids share
+        # a text (it asserts its text -> id map is as long as the list): one id each way.
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta.tokens)]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            first: dict[str, int] = {}
+            i, tok = next((i, t) for i, t in enumerate(tokens) if first.setdefault(t, i) != i)
+            raise ValueError(f"{meta.path}: token {tok!r} appears twice in the token list (ids "
+                             f"{first[tok]} and {i}); llama.cpp refuses such a vocabulary too")
         merges = [tuple(m.split(" ", 1)) for m in meta.merges]
         if any(len(m) != 2 for m in merges):
             raise ValueError(f"{meta.path}: malformed BPE merge (expected 'left right')")
@@ -149,9 +157,9 @@ class Tokenizer:
         # Control tokens are matched whole in text (so "<|im_start|>" is one id) and are what
         # skip_special_tokens drops; user-defined ones are matched whole but kept.
         tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(meta.tokens, meta.token_types) if k == _GGUF_CONTROL])
+                                for t, k in zip(tokens, meta.token_types) if k == _GGUF_CONTROL])
         tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(meta.tokens, meta.token_types) if k == _GGUF_USER_DEFINED])
+                        for t, k in zip(tokens, meta.token_types) if k == _GGUF_USER_DEFINED])
         eos = [i for i in (meta.eos_id, *meta.extra_eos_ids) if i is not None]
         eos += [vocab[t] for t in _END_OF_TURN_TOKENS
                 if t in vocab and meta.token_types[vocab[t]] == _GGUF_CONTROL]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pydoc_data.topics import topics
 
 import pytest
@@ -410,3 +411,46 @@ def test_from_hf_dir_reads_special_tokens_map(tmp_path, config: dict, special_ma
     assert ours.encode("hi") == hf.encode("hi")
     messages = [{"role": "user", "content": "x"}]
     assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False)
+
+
+def _byte_level_meta(tokens: list[str], types: list[int]):
+    from infer.io.checkpoint import GGUFTokenizerData
+
+    return GGUFTokenizerData(
+        path="vocab.gguf", model="gpt2", pre="gpt2", tokens=tuple(tokens),
+        token_types=tuple(types), merges=(), bos_id=None, eos_id=None, unk_id=None, pad_id=None,
+        extra_eos_ids=(), add_bos=False, chat_template=None)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gguf_duplicate_token_text_is_refused_as_llama_cpp_does(seed: int) -> None:
+    """llama.cpp asserts its text -> id map is as long as the token list; a text -> id dict
+    here kept one id of a duplicated text, and the other decoded to an "outside the
+    vocabulary" error mid-generation."""
+    import random
+
+    from tokenizers import pre_tokenizers
+
+    rng = random.Random(seed)
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ab", "<|a|>", "<|b|>", "<|c|>"]
+    types = [1] * (len(tokens) - 3) + [3, 3, 3]
+    first = rng.randrange(len(tokens))
+    second = rng.randrange(first + 1, len(tokens) + 1)
+    tokens.insert(second, tokens[first])
+    types.insert(second, types[first])
+    with pytest.raises(ValueError, match=rf"vocab\.gguf: token {re.escape(repr(tokens[first]))} "
+                                         rf"appears twice .*ids {first} and {second}"):
+        Tokenizer.from_gguf(_byte_level_meta(tokens, types))
+
+
+def test_gguf_empty_tokens_named_as_llama_cpp_does() -> None:
+    """llama.cpp loads empty token texts as "[EMPTY_<id>]": two of them are no duplicate, and
+    every id decodes."""
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["", "ab", ""]
+    tok = Tokenizer.from_gguf(_byte_level_meta(tokens, [1] * len(tokens)))
+    n = len(tokens)
+    assert tok.vocab_size == n
+    assert [tok.decode([i]) for i in (n - 3, n - 2, n - 1)] == [
+        f"[EMPTY_{n - 3}]", "ab", f"[EMPTY_{n - 1}]"]
