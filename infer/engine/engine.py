@@ -301,6 +301,14 @@ class Engine:
                    if seq.request.params.streams or seq.request.finished]
         end = time.perf_counter()
         queried, hit = (b - a for a, b in zip(looked_up, self._prefix_lookups()))
+        firsts, gaps = [], []
+        for seq, n in added:
+            stamps, before = seq.request.token_times, had[id(seq)]
+            if n > 0 and before == 0:
+                firsts.append(stamps[0] - seq.request.arrival_s)
+            # Positive only, as RequestMetrics.step_gaps: a step's tokens share one time.
+            gaps += [b - a for a, b in zip(stamps[max(before - 1, 0):], stamps[max(before, 1):])
+                     if b - a > 0]
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
             active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),
@@ -312,7 +320,8 @@ class Engine:
             output_tokens=sum(n for _, n in added),
             prompt_tokens_started=sum(len(seq.request.prompt_token_ids) for seq, n in added
                                       if n and had[id(seq)] == 0),
-            prefix_queried_tokens=queried, prefix_hit_tokens=hit))
+            prefix_queried_tokens=queried, prefix_hit_tokens=hit,
+            first_token_s=tuple(firsts), token_gaps_s=tuple(gaps)))
         self.num_steps += 1
         return outputs
 

@@ -103,6 +103,12 @@ class StepRecord:
     # preempted one counts again when it is looked up again. 0 without prefix caching.
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # The latencies this step's tokens ended (seconds): arrival to first token of each request
+    # it gave one, and the gap to each request's previous token (one a request, as
+    # RequestMetrics.step_gaps). vLLM observes its TTFT and inter-token histograms per step,
+    # as tokens come, not when a request finishes.
+    first_token_s: tuple[float, ...] = ()
+    token_gaps_s: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass

@@ -95,10 +95,6 @@ class ServerMetrics:
         m = out.metrics
         self.success.labels(**self._labels, finished_reason=out.finish_reason.value).inc()
         self.preemptions.inc(m.num_preemptions)
-        if m.ttft_s is not None:
-            self.ttft.observe(m.ttft_s)
-        for gap in m.step_gaps:
-            self.itl.observe(gap)
         if m.e2e_s is not None and out.finish_reason != FinishReason.ABORT:
             self.e2e.observe(m.e2e_s)
 
@@ -109,6 +105,10 @@ class ServerMetrics:
             self.prompt_tokens.inc(r.prompt_tokens_started)
             self.prefix_queries.inc(r.prefix_queried_tokens)
             self.prefix_hits.inc(r.prefix_hit_tokens)
+            for latency in r.first_token_s:
+                self.ttft.observe(latency)
+            for gap in r.token_gaps_s:
+                self.itl.observe(gap)
 
     def engine_state(self, replicas: Sequence[Engine]) -> None:
         running = sum(len(r.scheduler.running) for r in replicas)

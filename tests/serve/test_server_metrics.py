@@ -98,3 +98,34 @@ def test_prefix_cache_counters_are_the_prefix_caches_own_lookups(tiny_model,
     stats = engine.prefix_cache_stats()
     assert (queries, hits) == (stats["lookup_tokens"], stats["hit_tokens"])
     assert stats["lookups"] >= len(ran)  # a preempted request is looked up again
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_ttft_and_inter_token_latency_are_observed_as_tokens_come(tiny_model,
+                                                                  spec: bool) -> None:
+    """After every step the histograms hold each first token and each inter-token gap so far,
+    of running requests too (vLLM observes them per step, not when a request finishes): one
+    gap per step that brought a request tokens, several tokens a step with speculation."""
+    from infer.spec.config import SpeculativeConfig
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 60, int(rng.integers(1, 30))).tolist() for _ in range(9)]
+    prompts += [[5, 6, 7, 8] * 4]  # the n-gram proposer drafts on it
+    engine = tiny_engine(tiny_model, max_model_len=96, num_pages=24,
+                         speculative=SpeculativeConfig("ngram", 3) if spec else None)
+    metrics = ServerMetrics("tiny")
+    checked = []
+
+    def each_step(outputs) -> None:
+        ttfts = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
+        gaps = [g for o in outputs for g in o.metrics.step_gaps]
+        assert _sample(metrics, "vllm:time_to_first_token_seconds_count") == len(ttfts)
+        assert _sample(metrics, "vllm:time_to_first_token_seconds_sum") == pytest.approx(
+            sum(ttfts))
+        assert _sample(metrics, "vllm:inter_token_latency_seconds_count") == len(gaps)
+        assert _sample(metrics, "vllm:inter_token_latency_seconds_sum") == pytest.approx(
+            sum(gaps))
+        checked.append(any(not o.finished and o.token_ids for o in outputs))
+
+    _drive(engine, metrics, rng, prompts, abort_share=0.2, max_tokens=24, each_step=each_step)
+    assert any(checked)  # some step left a request running with tokens
