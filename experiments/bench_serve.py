@@ -32,7 +32,7 @@ build), `url=http://host:port` a server already running, and `inprocess` feeds t
 to the same engine in this process with no HTTP (experiments.serve's loop, latencies from each
 scheduled arrival, or from its release under --max_concurrency): the difference is what the HTTP
 layer costs. One row per server is appended to results/bench_serve.jsonl (--out) with vLLM's
-result keys.
+result keys (an `inprocess` row's `generated_texts` are "": that loop keeps no text).
 """
 
 from __future__ import annotations
@@ -311,8 +311,35 @@ def summarize(results: Sequence[Measured], duration_s: float, percentiles: Seque
                itls=[m.itl_s for m in results],
                latencies=[m.latency_s if m.ok else 0.0 for m in results],
                start_times=[m.start_s for m in results],
+               generated_texts=[m.text for m in results],
                errors=[m.error if not m.ok else "" for m in results])
+    row.update(peak_rates(ok))
     return row
+
+
+def peak_rates(ok: Sequence[Measured]) -> dict[str, float]:
+    """vLLM's `max_output_tokens_per_s` and `max_concurrent_requests` over the completed
+    requests: the most token events (the first, then one per inter-token gap) in one 1-s
+    bucket counted from the earliest send, and the most requests in flight at once, each in
+    flight over [send, last token) (one that ends as another is sent does not overlap it)."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    origin = min(m.start_s for m in ok)
+    end = max(m.start_s + m.latency_s for m in ok)
+    per_second = np.zeros(int(np.ceil(end - origin)) + 1)
+    for m in ok:
+        t = m.start_s + m.ttft_s
+        for gap in [0.0, *m.itl_s]:  # added one by one, as vLLM's: the same bucket edges
+            t += gap
+            if 0 <= int(t - origin) < per_second.size:
+                per_second[int(t - origin)] += 1
+    # Ends sort before sends at the same time: half-open intervals.
+    events = sorted([(m.start_s, 1) for m in ok] + [(m.start_s + m.latency_s, -1) for m in ok])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return {"max_output_tokens_per_s": float(per_second.max()), "max_concurrent_requests": peak}
 
 
 def flag_args(values: dict[str, Any]) -> list[str]:

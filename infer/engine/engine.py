@@ -283,6 +283,7 @@ class Engine:
         run anyway, so the tokens are the same either way."""
         start = time.perf_counter()
         self.runner.times = StepTimes()
+        looked_up = self._prefix_lookups()
         pending, self._in_flight = self.scheduler.next_steps(
             self._in_flight, self._dispatch, self.config.async_scheduling)
         plan = pending.plan
@@ -299,6 +300,15 @@ class Engine:
         outputs = [self._notify(seq.request.output()) for seq in advanced
                    if seq.request.params.streams or seq.request.finished]
         end = time.perf_counter()
+        queried, hit = (b - a for a, b in zip(looked_up, self._prefix_lookups()))
+        firsts, gaps = [], []
+        for seq, n in added:
+            stamps, before = seq.request.token_times, had[id(seq)]
+            if n > 0 and before == 0:
+                firsts.append(stamps[0] - seq.request.arrival_s)
+            # Positive only, as RequestMetrics.step_gaps: a step's tokens share one time.
+            gaps += [b - a for a, b in zip(stamps[max(before - 1, 0):], stamps[max(before, 1):])
+                     if b - a > 0]
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
             active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),
@@ -309,9 +319,19 @@ class Engine:
             output_s=end - executed, planned_ahead=plan.ahead,
             output_tokens=sum(n for _, n in added),
             prompt_tokens_started=sum(len(seq.request.prompt_token_ids) for seq, n in added
-                                      if n and had[id(seq)] == 0)))
+                                      if n and had[id(seq)] == 0),
+            prefix_queried_tokens=queried, prefix_hit_tokens=hit,
+            first_token_s=tuple(firsts), token_gaps_s=tuple(gaps)))
         self.num_steps += 1
         return outputs
+
+    def _prefix_lookups(self) -> tuple[int, int]:
+        """The prefix cache's lookup and hit tokens so far (differences over a step count
+        that step's lookups, whatever resets the stats between steps)."""
+        if self.prefix_cache is None:
+            return 0, 0
+        stats = self.prefix_cache.stats()
+        return int(stats["lookup_tokens"]), int(stats["hit_tokens"])
 
     def _dispatch(self, plan: StepPlan, after: InFlight | None) -> InFlight:
         if self.runner.proposer is not None:

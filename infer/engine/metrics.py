@@ -97,6 +97,18 @@ class StepRecord:
     # over them follows generation rather than jumping when long requests finish.
     output_tokens: int = 0
     prompt_tokens_started: int = 0
+    # Tokens the prefix cache's lookups in this step asked for and handed out (its stats'
+    # lookup_tokens and hit_tokens): vLLM counts its prefix-cache queries and hits where the
+    # scheduler looks a request up, so a request aborted while queued counts none, and a
+    # preempted one counts again when it is looked up again. 0 without prefix caching.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # The latencies this step's tokens ended (seconds): arrival to first token of each request
+    # it gave one, and the gap to each request's previous token (one a request, as
+    # RequestMetrics.step_gaps). vLLM observes its TTFT and inter-token histograms per step,
+    # as tokens come, not when a request finishes.
+    first_token_s: tuple[float, ...] = ()
+    token_gaps_s: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass

@@ -50,9 +50,11 @@ class ServerMetrics:
         self.preemptions = make(Counter, "vllm:num_preemptions", "requests preempted and "
                                 "recomputed")
         self.prefix_queries = make(Counter, "vllm:prefix_cache_queries",
-                                   "prompt tokens looked up in the prefix cache")
+                                   "tokens looked up in the prefix cache (counted "
+                                   "in the step that looked them up; 0 with it off)")
         self.prefix_hits = make(Counter, "vllm:prefix_cache_hits",
-                                "prompt tokens found in the prefix cache")
+                                "tokens taken from the prefix cache (counted "
+                                "in the step that took them)")
         self.ttft = make(Histogram, "vllm:time_to_first_token_seconds",
                          "arrival (HTTP request parsed) to first token", buckets=_LATENCY_BUCKETS)
         self.itl = make(Histogram, "vllm:inter_token_latency_seconds",
@@ -93,12 +95,6 @@ class ServerMetrics:
         m = out.metrics
         self.success.labels(**self._labels, finished_reason=out.finish_reason.value).inc()
         self.preemptions.inc(m.num_preemptions)
-        self.prefix_queries.inc(m.num_prompt_tokens)
-        self.prefix_hits.inc(m.num_cached_tokens)
-        if m.ttft_s is not None:
-            self.ttft.observe(m.ttft_s)
-        for gap in m.step_gaps:
-            self.itl.observe(gap)
         if m.e2e_s is not None and out.finish_reason != FinishReason.ABORT:
             self.e2e.observe(m.e2e_s)
 
@@ -107,6 +103,12 @@ class ServerMetrics:
             self.step_seconds.labels(**self._labels, kind=r.kind).observe(r.end_s - r.start_s)
             self.generation_tokens.inc(r.output_tokens)
             self.prompt_tokens.inc(r.prompt_tokens_started)
+            self.prefix_queries.inc(r.prefix_queried_tokens)
+            self.prefix_hits.inc(r.prefix_hit_tokens)
+            for latency in r.first_token_s:
+                self.ttft.observe(latency)
+            for gap in r.token_gaps_s:
+                self.itl.observe(gap)
 
     def engine_state(self, replicas: Sequence[Engine]) -> None:
         running = sum(len(r.scheduler.running) for r in replicas)

@@ -440,3 +440,36 @@ def test_a_run_with_no_percentiles_prints_its_table(monkeypatch, tmp_path) -> No
                            metric_percentiles=[])
     assert row["median_tpot_ms"] == pytest.approx(200.0)
     assert not any(k.startswith("p") and k.endswith("_ms") for k in row)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_peak_token_rate_and_concurrency_follow_vllms_definitions(seed: int) -> None:
+    """`max_output_tokens_per_s`: token events per 1-s bucket from the earliest send, at most;
+    `max_concurrent_requests`: requests in flight over [send, last token) at once, at most
+    (checked at every send, where the count can rise); completed requests only. The texts
+    gathered come back per request, in order."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for i in range(int(rng.integers(1, 12))):
+        gaps = rng.exponential(0.3, int(rng.integers(0, 8))).tolist()
+        ttft = float(rng.exponential(0.5))
+        start = float(rng.integers(0, 8)) * 0.5  # ties between sends and ends
+        results.append(Measured(ok=bool(rng.random() < 0.8), ttft_s=ttft, itl_s=gaps,
+                                latency_s=ttft + sum(gaps), output_tokens=len(gaps) + 1,
+                                start_s=start, text=f"text {i}"))
+    row = bench_serve.summarize(results, 10.0, [50], {})
+    assert row["generated_texts"] == [f"text {i}" for i in range(len(results))]
+    ok = [m for m in results if m.ok]
+    if not ok:
+        assert (row["max_output_tokens_per_s"], row["max_concurrent_requests"]) == (0.0, 0)
+        return
+    origin = min(m.start_s for m in ok)
+    counts: dict[int, int] = {}
+    for m in ok:
+        t = m.start_s + m.ttft_s
+        for gap in [0.0] + m.itl_s:
+            t += gap
+            counts[int(t - origin)] = counts.get(int(t - origin), 0) + 1
+    assert row["max_output_tokens_per_s"] == max(counts.values())
+    assert row["max_concurrent_requests"] == max(
+        sum(o.start_s <= m.start_s < o.start_s + o.latency_s for o in ok) for m in ok)

@@ -43,3 +43,89 @@ def test_kv_usage_counts_pages_only_the_prefix_cache_holds_as_free() -> None:
     engine.run_until_done()
     assert len(engine.prefix_cache) > 0  # the finished request's full pages stayed cached
     assert _kv_usage(engine) == 0.0
+
+
+def _drive(engine, metrics: ServerMetrics, rng: np.random.Generator, prompts: list[list[int]],
+           abort_share: float, max_tokens: int = 12, each_step=None) -> list[str]:
+    """Feeds `metrics` as the server's worker does: each step's records, and the final output
+    of each request that finished or was aborted; a share of the requests is aborted while
+    still queued. Returns the ids of the requests that ran."""
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(
+        max_tokens=int(rng.integers(1, max_tokens)), ignore_eos=True)) for p in prompts]
+    queued = [i for i in ids if rng.random() < abort_share]
+    for request_id in queued:
+        out = engine.abort(request_id)
+        assert out is not None and not out.token_ids
+        metrics.finished(out)
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        first = engine.num_steps
+        outputs = engine.step()
+        metrics.steps(engine.step_records(first))
+        for out in outputs:
+            if out.finished:
+                metrics.finished(out)
+        if each_step is not None:
+            each_step([engine.output(i) for i in ids if i not in queued])
+    return [i for i in ids if i not in queued]
+
+
+def _sample(metrics: ServerMetrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_counters_are_the_prefix_caches_own_lookups(tiny_model,
+                                                                 caching: bool) -> None:
+    """Queries and hits count the tokens the prefix cache looked up and handed out, when it
+    did (vLLM counts at the scheduler's lookup): a request aborted while queued was never
+    looked up, a preempted one is looked up again, and with prefix caching off nothing is."""
+    rng = np.random.default_rng()
+    shared = [rng.integers(3, 200, int(rng.integers(4, 21))).tolist() for _ in range(3)]
+    prompts = [shared[int(rng.integers(3))] + rng.integers(3, 200, int(rng.integers(1, 9))
+                                                           ).tolist() for _ in range(20)]
+    engine = tiny_engine(tiny_model, enable_prefix_caching=caching, num_pages=12,
+                         max_model_len=48)  # 4 slots of up to 12 pages each: preemptions
+    metrics = ServerMetrics("tiny")
+    ran = _drive(engine, metrics, rng, prompts, abort_share=0.3, max_tokens=21)
+    assert ran and _sample(metrics, "vllm:num_preemptions_total") > 0
+    queries = _sample(metrics, "vllm:prefix_cache_queries_total")
+    hits = _sample(metrics, "vllm:prefix_cache_hits_total")
+    if not caching:
+        assert queries == hits == 0
+        return
+    stats = engine.prefix_cache_stats()
+    assert (queries, hits) == (stats["lookup_tokens"], stats["hit_tokens"])
+    assert stats["lookups"] >= len(ran)  # a preempted request is looked up again
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_ttft_and_inter_token_latency_are_observed_as_tokens_come(tiny_model,
+                                                                  spec: bool) -> None:
+    """After every step the histograms hold each first token and each inter-token gap so far,
+    of running requests too (vLLM observes them per step, not when a request finishes): one
+    gap per step that brought a request tokens, several tokens a step with speculation."""
+    from infer.spec.config import SpeculativeConfig
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 60, int(rng.integers(1, 30))).tolist() for _ in range(9)]
+    prompts += [[5, 6, 7, 8] * 4]  # the n-gram proposer drafts on it
+    engine = tiny_engine(tiny_model, max_model_len=96, num_pages=24,
+                         speculative=SpeculativeConfig("ngram", 3) if spec else None)
+    metrics = ServerMetrics("tiny")
+    checked = []
+
+    def each_step(outputs) -> None:
+        ttfts = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
+        gaps = [g for o in outputs for g in o.metrics.step_gaps]
+        assert _sample(metrics, "vllm:time_to_first_token_seconds_count") == len(ttfts)
+        assert _sample(metrics, "vllm:time_to_first_token_seconds_sum") == pytest.approx(
+            sum(ttfts))
+        assert _sample(metrics, "vllm:inter_token_latency_seconds_count") == len(gaps)
+        assert _sample(metrics, "vllm:inter_token_latency_seconds_sum") == pytest.approx(
+            sum(gaps))
+        checked.append(any(not o.finished and o.token_ids for o in outputs))
+
+    _drive(engine, metrics, rng, prompts, abort_share=0.2, max_tokens=24, each_step=each_step)
+    assert any(checked)  # some step left a request running with tokens
