@@ -34,8 +34,8 @@ class SeqState:
     # Admission order while it holds a slot (for choosing whom to preempt); -1 while waiting.
     admitted_at: int = -1
     # Of this admission: tokens taken from the prefix cache, and how many of them lead the
-    # sequence, taken before it computed any itself (their pages hold a draft's KV too, written
-    # by whoever computed them; later ones follow pages this request computed).
+    # sequence, taken before it computed any itself (a model proposer reuses the draft KV of
+    # those it knows a draft filled; later ones follow pages this request computed).
     reused_tokens: int = 0
     cached_prefix: int = 0
 

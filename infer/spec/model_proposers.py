@@ -157,6 +157,9 @@ class _Track:
     pages: SequencePages
     valid: int
     drafts_fed: int = 0  # drafts the last chain fed back (draft model: their KV is written)
+    # One key per full page of the request, over its tokens up to that page's end (chained):
+    # the KV in a page depends on nothing else.
+    page_keys: list[int] = dataclasses.field(default_factory=list)
     feature_start: int = 0  # EAGLE: target features held for positions [start, start + len)
     features: list[np.ndarray] = dataclasses.field(default_factory=list)
 
@@ -196,6 +199,12 @@ class _ModelProposer:
                                          num_kv_heads, head_dim, "float32",
                                          config.attention_backend)
         self._tracks: dict[str, _Track] = {}
+        # Page id -> the key (`_Track.page_keys`) of the tokens whose KV this cache holds in
+        # that page, for pages some request's draft filled and nothing has written since.
+        # Pages a request takes from the prefix cache hold the target's KV, but the draft's
+        # only if the request that computed them drafted past them: one that never drafted
+        # (one token, logprobs, aborted) leaves zeros or an earlier request's KV.
+        self._page_holds: dict[int, int] = {}
         self.proposed = 0
 
     # -- the proposer protocol ------------------------------------------------------------------
@@ -242,7 +251,7 @@ class _ModelProposer:
                 # The chain fed drafts at positions n+1 .. n+drafts_fed; accepted ones are right.
                 n = seq.num_computed  # not yet advanced: the fed token's position
                 if track.valid == n + 1:
-                    track.valid = n + 1 + min(len(out) - 1, track.drafts_fed)
+                    self._advance(seq, track, n + 1 + min(len(out) - 1, track.drafts_fed))
                 track.drafts_fed = 0
 
     def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None:
@@ -256,10 +265,49 @@ class _ModelProposer:
     def _track(self, seq: SeqState) -> _Track:
         track = self._tracks.get(seq.request.request_id)
         if track is None or track.pages is not seq.pages:
-            track = _Track(seq.pages, seq.cached_prefix)
+            track = _Track(seq.pages, 0)
+            track.valid = self._held_prefix(seq, track)
             self._tracks[seq.request.request_id] = track
-        track.valid = min(track.valid, seq.num_computed)
+        if seq.num_computed < track.valid:  # the target will write those positions anew
+            self._written(seq, seq.num_computed, track.valid)
+            track.valid = seq.num_computed
         return track
+
+    def _keys(self, seq: SeqState, track: _Track, num_pages: int) -> list[int]:
+        """`track.page_keys` of the request's first `num_pages` full pages."""
+        size, tokens = self.config.page_size, seq.request.all_token_ids
+        while len(track.page_keys) < num_pages:
+            j = len(track.page_keys)
+            previous = track.page_keys[-1] if j else 0
+            track.page_keys.append(hash((previous, tuple(tokens[j * size:(j + 1) * size]))))
+        return track.page_keys
+
+    def _held_prefix(self, seq: SeqState, track: _Track) -> int:
+        """How many of the tokens a request took from the prefix cache lead pages holding the
+        draft's KV of exactly those tokens."""
+        size = self.config.page_size
+        keys = self._keys(seq, track, seq.cached_prefix // size)
+        held = 0
+        while held < len(keys) and self._page_holds.get(seq.pages.pages[held]) == keys[held]:
+            held += 1
+        return min(held * size, seq.cached_prefix)
+
+    def _advance(self, seq: SeqState, track: _Track, valid: int) -> None:
+        """The draft's KV of positions below `valid` is now right: pages it fills are held."""
+        size = self.config.page_size
+        first, end = track.valid // size, valid // size
+        if end > first:
+            keys = self._keys(seq, track, end)
+            for j in range(first, end):
+                self._page_holds[seq.pages.pages[j]] = keys[j]
+        track.valid = valid
+
+    def _written(self, seq: SeqState, start: int, end: int) -> None:
+        """The draft writes (or the target will write anew) positions [start, end): the pages
+        they fall in hold no known KV until a request's draft fills them again."""
+        size = self.config.page_size
+        for page in seq.pages.pages[start // size:-(-end // size)]:
+            self._page_holds.pop(page, None)
 
     def _catch_up_long(self, seq: SeqState) -> None:
         """Feeds all but the last `catch_up_width` pending rows, a chunk at a time on one row."""
@@ -272,9 +320,10 @@ class _ModelProposer:
             meta = paged_metadata([seq.pages], 1, width, np.array([track.valid], np.int32),
                                   np.array([end - track.valid], np.int32), t, names=[seq.label],
                                   with_windows=False)  # the proposer's cache keeps none
+            self._written(seq, track.valid, end)
             self.cache = self._forward(self.cache, *self._rows(seq, track, track.valid, end, t),
                                        meta)
-            track.valid = end
+            self._advance(seq, track, end)
 
     def _chain_inputs(self, seqs: Sequence[SeqState], rows_of: Sequence[int], rows: int,
                       width: int, writes_past: np.ndarray) -> tuple:
@@ -291,7 +340,8 @@ class _ModelProposer:
             cached[i], q_lens[i] = track.valid, end - track.valid
             for buffer, values in zip(row_inputs, self._rows(seq, track, track.valid, end, w)):
                 buffer[i] = values[0]
-            track.valid = end
+            self._written(seq, track.valid, end + int(writes_past[i]))
+            self._advance(seq, track, end)
         write_ends = cached + q_lens + writes_past
         meta = paged_metadata([s.pages for s in seqs], rows, width, cached, q_lens, w, rows_of,
                               write_ends, names=[s.label for s in seqs], with_windows=False)

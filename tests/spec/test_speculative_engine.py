@@ -94,6 +94,60 @@ def test_the_draft_cache_holds_the_prompt_however_it_was_chunked(tiny_model, chu
     assert checked > 100
 
 
+def _assert_draft_kv_held(engine: Engine) -> int:
+    """The draft model's pages equal the target's (with every target layer) wherever the
+    proposer counts its KV as computed; returns the positions checked."""
+    proposer, checked = engine.runner.proposer, 0
+    for seq in engine.scheduler.running:
+        track = proposer._tracks.get(seq.request.request_id)
+        if track is None or not track.valid or track.pages is not seq.pages:
+            continue
+        slots = np.array([seq.pages.slot(t) for t in range(track.valid)])
+        for draft_pools, pools in ((proposer.cache.k, engine.runner.cache.k),
+                                   (proposer.cache.v, engine.runner.cache.v)):
+            for draft_pool, pool in zip(draft_pools, pools):
+                flat = [np.asarray(p).swapaxes(1, 2).reshape(-1, *p.shape[1::2])[slots]
+                        for p in (draft_pool, pool)]  # [P, K, G, D] -> [valid, K, D]
+                np.testing.assert_allclose(*flat, atol=1e-5, err_msg=seq.request.request_id)
+        checked += track.valid
+    return checked
+
+
+def test_the_draft_cache_of_a_cached_prefix_is_what_was_drafted(tiny_model) -> None:
+    """Pages from the prefix cache hold a draft's KV only if some request's draft wrote it:
+    a request that computed them but never drafted (one token, logprobs, aborted before its
+    first draft) leaves them without, and the next request to take them must compute it."""
+    spec = SpeculativeConfig("self_draft", 3, self_draft_layers=TINY.num_layers)
+    engine = Engine(tiny_model, None, EngineConfig(
+        max_num_seqs=3, max_prefill_tokens=16, max_model_len=96, page_size=4, speculative=spec,
+        enable_prefix_caching=True, num_pages=60))
+    rng = np.random.default_rng()
+    stems = [rng.integers(1, TINY.vocab_size, int(n)).tolist() for n in rng.integers(9, 30, 3)]
+    checked = 0
+    for _ in range(12):
+        prompt = stems[rng.integers(3)] + rng.integers(1, TINY.vocab_size,
+                                                       rng.integers(0, 6)).tolist()
+        kind = rng.integers(4)
+        # (A row asking for logprobs turns speculation off for the step: keep those short.)
+        params = SamplingParams(max_tokens=(1, 2, 20, int(rng.integers(6, 20)))[kind],
+                                ignore_eos=True, logprobs=0 if kind == 1 else None)
+        request_id = engine.add_request(prompt_token_ids=prompt, params=params)
+        if kind == 2:  # aborted once its prompt is computed, before it drafts
+            while engine.output(request_id).token_ids == [] and engine.has_unfinished():
+                engine.step()
+            engine.abort(request_id)
+        for _ in range(int(rng.integers(0, 8))):
+            engine.step()
+            checked += _assert_draft_kv_held(engine)
+    for stem in stems:  # last, a drafting request over each stem's cached pages
+        engine.add_request(prompt_token_ids=stem + [1], params=SamplingParams(
+            max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        checked += _assert_draft_kv_held(engine)
+    assert checked > 50
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_rollback_leaves_the_cache_as_plain_decoding_would(tiny_model, tiny_weights,
                                                            method) -> None:
