@@ -317,17 +317,24 @@ def test_a_workload_outside_vllms_ranges_is_refused_in_words() -> None:
             bench_serve.arrival_offsets(8, rate, burstiness, 0)
 
 
+def _replay_that_must_not_run(monkeypatch, tmp_path) -> str:
+    """A one-request replay file, with every way of running the benchmark made to fail: for
+    settings that must be refused before any request is sent."""
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_serve, "run_schedule", never)
+    monkeypatch.setattr(bench_serve, "in_process", never)
+    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
+    return _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+
+
 @pytest.mark.parametrize("percentile", [-1.0, 100.5, 150.0, math.nan])
 def test_percentiles_outside_0_100_are_refused_before_any_request(percentile, monkeypatch,
                                                                     tmp_path) -> None:
     """A percentile numpy refuses used to stop the run after the whole benchmark (the row
     lost), or, with no completed request, to be written as a silent None."""
-    def never(*args, **kwargs):
-        raise AssertionError("the benchmark ran")
-
-    monkeypatch.setattr(bench_serve, "run_schedule", never)
-    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
-    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    path = _replay_that_must_not_run(monkeypatch, tmp_path)
     with pytest.raises(ValueError, match="percentile"):
         bench_serve.run(["url=http://127.0.0.1:1"], model="stub", replay=path, out="",
                         metric_percentiles=[50.0, percentile])
@@ -340,13 +347,7 @@ def test_a_concurrency_cap_below_one_is_refused_before_any_request(max_concurren
                                                                    tmp_path) -> None:
     """The HTTP client took --max_concurrency=0 as no cap (a falsy semaphore size) and wrote 0
     in its row, while the in-process server refused it, after the HTTP servers had run."""
-    def never(*args, **kwargs):
-        raise AssertionError("the benchmark ran")
-
-    monkeypatch.setattr(bench_serve, "run_schedule", never)
-    monkeypatch.setattr(bench_serve, "in_process", never)
-    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
-    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    path = _replay_that_must_not_run(monkeypatch, tmp_path)
     for servers in (["url=http://127.0.0.1:1"], ["inprocess"]):
         with pytest.raises(ValueError, match="max_concurrency"):
             bench_serve.run(servers, model="stub", replay=path, out="",
@@ -358,12 +359,7 @@ def test_an_slo_that_is_no_duration_is_refused_before_any_request(slo, monkeypat
                                                                   tmp_path) -> None:
     """A negative or NaN SLO made every request miss it (goodput 0 without a word); a word
     for a number failed with float()'s error, which names no flag."""
-    def never(*args, **kwargs):
-        raise AssertionError("the benchmark ran")
-
-    monkeypatch.setattr(bench_serve, "run_schedule", never)
-    schedule = [dict(offset_s=0.0, prompt="x", prompt_len=1, output_len=2)]
-    path = _replayed(tmp_path, {"model": "stub", "schedule": schedule})
+    path = _replay_that_must_not_run(monkeypatch, tmp_path)
     with pytest.raises(ValueError, match="--goodput"):
         bench_serve.run(["url=http://127.0.0.1:1"], model="stub", replay=path, out="",
                         goodput=["ttft:1000", slo])

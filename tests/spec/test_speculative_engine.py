@@ -63,37 +63,6 @@ def test_sampled_requests_run_with_every_proposer(tiny_model, tiny_weights) -> N
         assert all(len(o) == 16 and max(o) < TINY.vocab_size for o in first)
 
 
-@pytest.mark.parametrize("chunk", [15, 16])  # 16: every chunk ends on a page boundary
-def test_the_draft_cache_holds_the_prompt_however_it_was_chunked(tiny_model, chunk) -> None:
-    """The draft model computes its own KV of each prompt, whatever chunks the target's took:
-    with every layer of the target, the draft's pages must equal the target's wherever the
-    proposer counts them as computed."""
-    spec = SpeculativeConfig("self_draft", 3, self_draft_layers=TINY.num_layers)
-    engine = Engine(tiny_model, None, EngineConfig(
-        max_num_seqs=2, max_prefill_tokens=chunk, max_model_len=128, page_size=4,
-        speculative=spec))
-    rng = np.random.default_rng(chunk)
-    for length in rng.integers(20, 80, 3):
-        engine.add_request(prompt_token_ids=rng.integers(1, TINY.vocab_size, length).tolist(),
-                           params=SamplingParams(max_tokens=12, ignore_eos=True))
-    proposer, checked = engine.runner.proposer, 0
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            track = proposer._tracks.get(seq.request.request_id)
-            if track is None or not track.valid:
-                continue
-            slots = np.array([seq.pages.slot(t) for t in range(track.valid)])
-            for draft_pools, pools in ((proposer.cache.k, engine.runner.cache.k),
-                                       (proposer.cache.v, engine.runner.cache.v)):
-                for draft_pool, pool in zip(draft_pools, pools):
-                    flat = [np.asarray(p).swapaxes(1, 2).reshape(-1, *p.shape[1::2])[slots]
-                            for p in (draft_pool, pool)]  # [P, K, G, D] -> [valid, K, D]
-                    np.testing.assert_allclose(*flat, atol=1e-5)
-            checked += track.valid
-    assert checked > 100
-
-
 def _assert_draft_kv_held(engine: Engine) -> int:
     """The draft model's pages equal the target's (with every target layer) wherever the
     proposer counts its KV as computed; returns the positions checked."""
@@ -111,6 +80,26 @@ def _assert_draft_kv_held(engine: Engine) -> int:
                 np.testing.assert_allclose(*flat, atol=1e-5, err_msg=seq.request.request_id)
         checked += track.valid
     return checked
+
+
+@pytest.mark.parametrize("chunk", [15, 16])  # 16: every chunk ends on a page boundary
+def test_the_draft_cache_holds_the_prompt_however_it_was_chunked(tiny_model, chunk) -> None:
+    """The draft model computes its own KV of each prompt, whatever chunks the target's took:
+    with every layer of the target, the draft's pages must equal the target's wherever the
+    proposer counts them as computed."""
+    spec = SpeculativeConfig("self_draft", 3, self_draft_layers=TINY.num_layers)
+    engine = Engine(tiny_model, None, EngineConfig(
+        max_num_seqs=2, max_prefill_tokens=chunk, max_model_len=128, page_size=4,
+        speculative=spec))
+    rng = np.random.default_rng(chunk)
+    for length in rng.integers(20, 80, 3):
+        engine.add_request(prompt_token_ids=rng.integers(1, TINY.vocab_size, length).tolist(),
+                           params=SamplingParams(max_tokens=12, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        checked += _assert_draft_kv_held(engine)
+    assert checked > 100
 
 
 def test_the_draft_cache_of_a_cached_prefix_is_what_was_drafted(tiny_model) -> None:
