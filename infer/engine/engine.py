@@ -303,12 +303,9 @@ class Engine:
         queried, hit = (b - a for a, b in zip(looked_up, self._prefix_lookups()))
         firsts, gaps = [], []
         for seq, n in added:
-            stamps, before = seq.request.token_times, had[id(seq)]
-            if n > 0 and before == 0:
-                firsts.append(stamps[0] - seq.request.arrival_s)
-            # Positive only, as RequestMetrics.step_gaps: a step's tokens share one time.
-            gaps += [b - a for a, b in zip(stamps[max(before - 1, 0):], stamps[max(before, 1):])
-                     if b - a > 0]
+            if n > 0 and had[id(seq)] == 0:
+                firsts.append(seq.request.metrics().ttft_s)  # one token: cheap
+            gaps += seq.request.gaps_since(had[id(seq)])
         self.records.append(StepRecord(
             index=self.num_steps, kind=plan.kind, start_s=start, end_s=end, running=running,
             active=len(plan.decode) + len(plan.prefill), decode_rows=len(plan.decode),

@@ -107,6 +107,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def waited_gaps(gaps: Sequence[float]) -> tuple[float, ...]:
+    """Inter-token gaps as vLLM counts them (its ITL histogram, its benchmark's chunks): one
+    per step that brought tokens. A step that emits several (speculative decoding) gives them
+    one time; their zero gaps were waited by no one."""
+    return tuple(g for g in gaps if g > 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestMetrics:
     """Latencies of one request in seconds; inter-token latencies are the gaps between tokens
@@ -124,10 +131,8 @@ class RequestMetrics:
 
     @property
     def step_gaps(self) -> tuple[float, ...]:
-        """Inter-token latencies as vLLM counts them (its ITL histogram, its benchmark's
-        chunks): one per step that brought tokens. A step that emits several (speculative
-        decoding) gives them one time; their zero gaps in `itl_s` were waited by no one."""
-        return tuple(g for g in self.itl_s if g > 0)
+        """`itl_s` as vLLM counts inter-token latencies (`waited_gaps`)."""
+        return waited_gaps(self.itl_s)
 
     @classmethod
     def from_token_times(cls, arrival_s: float, token_times: Sequence[float],
@@ -361,6 +366,11 @@ class Request:
             if any(s.startswith(tail) for s in self.params.stop):
                 return text[:-n]
         return text
+
+    def gaps_since(self, num_tokens: int) -> tuple[float, ...]:
+        """The waited gaps (`waited_gaps`) ending at output tokens past the first
+        `num_tokens`: what a step that brought those tokens adds to the ITL histogram."""
+        return waited_gaps(self._token_gaps[max(num_tokens - 1, 0):])
 
     def metrics(self) -> RequestMetrics:
         return RequestMetrics.from_token_times(

@@ -280,7 +280,7 @@ class _ModelProposer:
             j = len(track.page_keys)
             previous = track.page_keys[-1] if j else 0
             track.page_keys.append(hash((previous, tuple(tokens[j * size:(j + 1) * size]))))
-        return track.page_keys
+        return track.page_keys[:num_pages]
 
     def _held_prefix(self, seq: SeqState, track: _Track) -> int:
         """How many of the tokens a request took from the prefix cache lead pages holding the

@@ -78,3 +78,28 @@ def test_request_keeps_gaps_as_tokens_come_equal_to_recomputing_them() -> None:
 def test_gaps_that_do_not_match_the_times_are_refused() -> None:
     with pytest.raises(ValueError, match="2 gaps between 4 token times"):
         RequestMetrics.from_token_times(0.0, [1.0, 2.0, 3.0, 4.0], 1, gaps=[1.0, 1.0])
+
+
+def test_gaps_since_are_the_waited_gaps_a_step_adds() -> None:
+    """Engine.step observes `gaps_since(tokens before the step)` in its ITL histogram: over a
+    request's steps they must add up to the request's own `step_gaps`, step by step. Random
+    steps of 1-5 tokens sharing one time (speculation), some steps of none."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        sizes = rng.integers(0, 6, int(rng.integers(1, 30)))
+        total = max(int(sizes.sum()), 1)
+        request = Request("r", [1], SamplingParams(max_tokens=total, ignore_eos=True), None,
+                          arrival_s=0.0)
+        now, observed = 0.0, []
+        for size in sizes:
+            now += float(rng.exponential(0.05)) + 1e-3
+            before = len(request.output_ids)
+            for _ in range(size):
+                request.append(int(rng.integers(100)), now=now)
+            step = request.gaps_since(before)
+            assert len(step) == (1 if size and before else 0), (seed, before, size)
+            if step:
+                assert step[0] == now - request.token_times[before - 1], seed
+            observed += step
+        assert tuple(observed) == request.metrics().step_gaps, seed
