@@ -197,8 +197,9 @@ class SamplingParams:
 
     @property
     def plain_steps_only(self) -> bool:
-        """Its tokens come from plain (prefill, decode, mixed) steps only, one at a time: a
-        structured-output mask and logprobs exist there, not in speculative verification."""
+        """Its tokens come one at a time, as plain decoding samples them: a structured-output
+        mask and logprobs hold for one position, so the engine drafts none for such a row
+        (its batch-mates still speculate)."""
         return self.logprobs is not None or self.structured is not None
 
     def with_resolved_seed(self) -> "SamplingParams":

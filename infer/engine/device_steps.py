@@ -57,7 +57,7 @@ def verify_tree_pass(model: Llama, cache: CacheT, nodes: jax.Array, parents: jax
     nodes [B, N] (node 0 the row's last token) with parents [B, N] in drafting order, at most
     `depth` below the root; the first meta.q_lens[b] are verified, node i written to slot
     meta.starts[b] + i at position starts + its depth, seeing the cache and its ancestors
-    (`meta`'s positions and tree mask are replaced here). Returns (path [B, depth+1],
+    (`meta`'s positions and tree mask are replaced here). Returns (the roots' logits [B, V],
     num_accepted [B], emitted [B, depth+1], hidden states [B, depth+1, E] of the path's nodes,
     cache with the path's KV moved to slots starts+1 .. starts+num_accepted)."""
     real = jnp.arange(nodes.shape[1])[None] < meta.q_lens[:, None]
@@ -76,7 +76,7 @@ def verify_tree_pass(model: Llama, cache: CacheT, nodes: jax.Array, parents: jax
                               meta.starts[:, None] + step,
                               (step >= 1) & (step <= accepted[:, None]))
     hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
-    return path, accepted, emitted, hidden, cache
+    return logits[:, 0], accepted, emitted, hidden, cache
 
 
 class DeviceSteps:
@@ -125,21 +125,41 @@ class DeviceSteps:
         def forward(params, cache, tokens, meta):
             return bind(params)(tokens, cache, meta, feature_layers=self.feature_layers)
 
+        def undrafted(root_logits, emitted, alone, sampling, sample_index):
+            """Rows that verify no drafts (`alone` [B]) emit what a plain decode step samples:
+            the token stream's draw, under the row's structured-output mask, with logprobs.
+            So a row's tokens do not depend on whether its batch-mates speculate, and a row
+            that asks for logprobs or a mask (never drafted) shares a step with rows that do."""
+            if sampling.num_logprobs:
+                tokens, logprobs = sampled(root_logits, sampling, sample_index)
+            else:  # the common case: every row drafted, and no second draw to pay for
+                tokens, logprobs = jax.lax.cond(
+                    jnp.any(alone), lambda: sample(root_logits, sampling, sample_index),
+                    lambda: emitted[:, 0]), None
+            return emitted.at[:, 0].set(jnp.where(alone, tokens, emitted[:, 0])), logprobs
+
         def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
                    sample_index):
             logits, hidden, cache = bind(params)(tokens, cache, meta,
                                                  feature_layers=self.feature_layers)
-            num_accepted, emitted = verify_chain(logits, draft_tokens, num_draft, draft_probs,
-                                                 sampling, sample_index)
-            return replicate(num_accepted), replicate(emitted), hidden, cache
+            # Drafted rows are never constrained: their mask would hold for one position only.
+            num_accepted, emitted = verify_chain(
+                logits, draft_tokens, num_draft, draft_probs,
+                dataclasses.replace(sampling, allowed=None), sample_index)
+            emitted, logprobs = undrafted(logits[:, 0], emitted, num_draft == 0, sampling,
+                                          sample_index)
+            return replicate(num_accepted), replicate(emitted), logprobs, hidden, cache
 
         def tree_verify(params, cache, roots, nodes, parents, meta, sampling, sample_index,
                         depth):
             nodes = jnp.concatenate([roots[:, None], nodes], axis=1)  # [B, N], node 0 the root
-            _, accepted, emitted, hidden, cache = verify_tree_pass(
-                bind(params), cache, nodes, parents, meta, sampling, sample_index, depth,
+            root_logits, accepted, emitted, hidden, cache = verify_tree_pass(
+                bind(params), cache, nodes, parents, meta,
+                dataclasses.replace(sampling, allowed=None), sample_index, depth,
                 self.feature_layers)
-            return replicate(accepted), replicate(emitted), hidden, cache
+            emitted, logprobs = undrafted(root_logits, emitted, meta.q_lens <= 1, sampling,
+                                          sample_index)
+            return replicate(accepted), replicate(emitted), logprobs, hidden, cache
 
         def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
             logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
@@ -181,11 +201,13 @@ class DeviceSteps:
     def verify_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata,
                     draft_tokens: jax.Array, num_draft: jax.Array, draft_probs: jax.Array | None,
                     sampling: SamplingArrays, sample_index: jax.Array
-                    ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+                    ) -> tuple[jax.Array, jax.Array, SampleLogprobs | None, jax.Array, CacheT]:
         """One target pass over [last token, drafts] [B, k+1] and exact verification.
 
         Returns (num_accepted [B], emitted [B, k+1] (accepted drafts, then the target's own
-        token, then -1), hidden states [B, k+1, E], cache). The cache holds valid KV for the
+        token, then -1), the logprobs of rows without drafts when `sampling.num_logprobs` asks
+        (else None; a row without drafts emits what a plain decode step samples, under its
+        structured-output mask), hidden states [B, k+1, E], cache). The cache holds valid KV for the
         first num_accepted + 1 inputs of each row; the rest lies past the row's length and is
         overwritten later (rollback is not advancing the length). `draft_probs` [B, k, V] are
         the draft's sampling probabilities, or None for deterministic proposals."""
@@ -195,13 +217,14 @@ class DeviceSteps:
     def tree_verify_step(self, cache: CacheT, roots: jax.Array, nodes: jax.Array,
                          parents: jax.Array, meta: AttentionMetadata, sampling: SamplingArrays,
                          sample_index: jax.Array, depth: int
-                         ) -> tuple[jax.Array, jax.Array, jax.Array, CacheT]:
+                         ) -> tuple[jax.Array, jax.Array, SampleLogprobs | None, jax.Array,
+                                    CacheT]:
         """`verify_tree_pass` over rows whose trees are their last token roots [B] then
         candidates nodes [B, N-1] (parents [B, N]); `meta` a paged step's metadata over N tokens.
 
         Returns (num_accepted [B], emitted [B, depth+1] (the accepted path's candidates, the
-        target's token, then -1), hidden states [B, depth+1, E] of the root and the path's
-        nodes, cache). The path's KV is moved to slots starts+1 .. starts+num_accepted, so
+        target's token, then -1), logprobs of rows without candidates as verify_step's, hidden
+        states [B, depth+1, E] of the root and the path's nodes, cache). The path's KV is moved to slots starts+1 .. starts+num_accepted, so
         the cache is what verifying the accepted tokens as a chain would leave."""
         return self._tree_verify(self.params, cache, roots, nodes, parents, meta, sampling,
                                  sample_index, depth)

@@ -115,8 +115,8 @@ class Shape:
     tokens: int  # per row; a mixed step's chunk
     width: int  # page-table width in pages
     draft_probs: bool = False  # verify: the drafts come with their probabilities [rows, k, V]
-    # Variants of a prefill, decode or mixed program, compiled on first use (never by warm-up,
-    # so that runs without them compile nothing more): a structured-output mask, logprobs.
+    # Variants of a step's program, compiled on first use (never by warm-up, so that runs
+    # without them compile nothing more): a structured-output mask, logprobs.
     constrained: bool = False
     logprobs: bool = False
 
@@ -397,11 +397,12 @@ class Runner:
         """Proposals, then one target pass over [last token, drafts] per row and exact
         verification on device; each row advances by its own accepted length."""
         seqs, k = plan.decode, self.config.num_speculative_tokens
-        plain = [s.label for s in seqs if s.request.params.plain_steps_only]
-        if plain:
-            raise ValueError(f"{', '.join(plain)} asked for logprobs or structured output, "
-                             "which plain steps compute: the scheduler plans no drafts in a "
-                             "step with such a row")
+        drafted = [s.label for s, n in zip(seqs, plan.draft_limits)
+                   if n and s.request.params.plain_steps_only]
+        if drafted:
+            raise ValueError(f"{', '.join(drafted)} asked for logprobs or structured output, "
+                             "which hold for one position: the scheduler plans no drafts for "
+                             "such a row")
         rows = bucket_for(max(len(seqs), plan.decode_width), self.config.decode_buckets)
         if self.config.tree is not None:
             return self._speculate_tree(plan, rows)
@@ -419,15 +420,17 @@ class Runner:
             cached[i], q_lens[i] = s.num_computed, 1 + counts[i]
             sample_index[i] = len(s.request.output_ids)
         width = self._verify_window(seqs, cached + q_lens)
-        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None))
         start = time.perf_counter()
         tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
                                                   sample_index)
-        accepted, emitted, hidden, self.cache = self.device_steps.verify_step(
+        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None,
+                              constrained=sampling.allowed is not None,
+                              logprobs=bool(sampling.num_logprobs)))
+        accepted, emitted, logprobs, hidden, self.cache = self.device_steps.verify_step(
             self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
             sampling, index)
         self.times.inputs_s += time.perf_counter() - start
-        return self._accepted(seqs, counts, accepted, emitted, hidden)
+        return self._accepted(seqs, counts, accepted, emitted, logprobs, hidden)
 
     def _verify_window(self, seqs: Sequence[SeqState], ends: np.ndarray) -> int:
         """The page-table width of a verify step whose rows write up to `ends` [rows]; pages
@@ -435,14 +438,22 @@ class Runner:
         return self.config.window_for(max(int(ends.max()), max(s.pages.capacity for s in seqs)))
 
     def _accepted(self, seqs: Sequence[SeqState], counts: np.ndarray, accepted: jax.Array,
-                  emitted: jax.Array, hidden: jax.Array) -> tuple[Emitted, EmittedLogprobs]:
+                  emitted: jax.Array, logprobs: SampleLogprobs | None, hidden: jax.Array
+                  ) -> tuple[Emitted, EmittedLogprobs]:
         """A verify step's tokens per row (its accepted drafts, then the target's own), once
-        the device has them; counted, and handed to the proposer with the path's features."""
+        the device has them; counted, and handed to the proposer with the path's features.
+        Logprobs, where the step has them, are of the rows without drafts (the only rows that
+        ask: `Scheduler` drafts none for them), each of its one token."""
         accepted, emitted = self._wait(accepted), self._wait(emitted)
         out = [emitted[i, :accepted[i] + 1].tolist() for i in range(len(seqs))]
         self.spec_stats.record(counts[:len(seqs)], accepted[:len(seqs)])
         self.proposer.commit(seqs, out, hidden)
-        return out, None
+        row_logprobs = self._host_logprobs(seqs, logprobs)
+        if row_logprobs is None:
+            return out, None
+        return out, [[None] * len(tokens) if lp is None
+                     else [dataclasses.replace(lp, token_id=tokens[0])]
+                     for tokens, lp in zip(out, row_logprobs)]
 
     def _speculate_tree(self, plan: StepPlan, rows: int) -> tuple[Emitted, EmittedLogprobs]:
         """A tree per row from the proposer, one target pass over every row's tree with a tree
@@ -457,15 +468,16 @@ class Runner:
         roots, cached, q_lens, sample_index = self._decode_rows(seqs, rows)
         q_lens[:len(seqs)] += counts[:len(seqs)]
         width = self._verify_window(seqs, cached + q_lens)
-        self._first_use(Shape("tree", rows, n, width))
         start = time.perf_counter()
         _, meta, sampling, index = self._inputs(seqs, np.zeros((rows, n), np.int32), cached,
                                                 q_lens, width, sample_index)
-        accepted, emitted, hidden, self.cache = self.device_steps.tree_verify_step(
+        self._first_use(Shape("tree", rows, n, width, constrained=sampling.allowed is not None,
+                              logprobs=bool(sampling.num_logprobs)))
+        accepted, emitted, logprobs, hidden, self.cache = self.device_steps.tree_verify_step(
             self.cache, jax.device_put(roots), nodes, parents, meta, sampling, index,
             shape.depth)
         self.times.inputs_s += time.perf_counter() - start
-        return self._accepted(seqs, counts, accepted, emitted, hidden)
+        return self._accepted(seqs, counts, accepted, emitted, logprobs, hidden)
 
 
     # -- compilation ----------------------------------------------------------------------------

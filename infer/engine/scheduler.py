@@ -299,13 +299,10 @@ class Scheduler:
         plan = StepPlan(kind="decode", decode_width=self._batch_width if static else 0)
         # Earliest admitted first: when pages run out, the latest admitted is preempted.
         ready = sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at)
-        # Logprobs and structured-output masks come from plain steps only: a step holding such
-        # a row verifies no drafts (its batch-mates decode plainly for that step).
-        speculate = not any(s.request.params.plain_steps_only for s in ready)
         for seq in ready:
             if seq.status != Status.RUNNING:
                 continue  # preempted below while making room for an earlier request
-            drafts = self._draft_limit(seq) if speculate else 0
+            drafts = self._draft_limit(seq)
             while True:
                 try:
                     end = seq.num_computed + 1 + drafts
@@ -385,7 +382,11 @@ class Scheduler:
 
     def _draft_limit(self, seq: SeqState) -> int:
         """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens) or
-        past max_model_len."""
+        past max_model_len; none for a row asking for logprobs or structured output, which
+        hold for one position (it samples as a plain step would, beside batch-mates that
+        verify drafts)."""
+        if seq.request.params.plain_steps_only:
+            return 0
         left = seq.request.params.max_tokens - len(seq.request.output_ids) - 1
         room = self.config.max_model_len - seq.num_computed - 1
         return max(0, min(self.config.num_speculative_tokens, left, room))
