@@ -126,10 +126,12 @@ class DeviceSteps:
             return bind(params)(tokens, cache, meta, feature_layers=self.feature_layers)
 
         def undrafted(root_logits, emitted, alone, sampling, sample_index):
-            """Rows that verify no drafts (`alone` [B]) emit what a plain decode step samples:
-            the token stream's draw, under the row's structured-output mask, with logprobs.
-            So a row's tokens do not depend on whether its batch-mates speculate, and a row
-            that asks for logprobs or a mask (never drafted) shares a step with rows that do."""
+            """Rows that verify no drafts (`alone` [B]: one query token; padding rows have
+            none, so a batch whose rows all drafted skips the draw) emit what a plain decode
+            step samples: the token stream's draw, under the row's structured-output mask,
+            with logprobs. So a row's tokens do not depend on whether its batch-mates
+            speculate, and a row that asks for logprobs or a mask (never drafted) shares a
+            step with rows that do."""
             if sampling.num_logprobs:
                 tokens, logprobs = sampled(root_logits, sampling, sample_index)
             else:  # the common case: every row drafted, and no second draw to pay for
@@ -146,7 +148,7 @@ class DeviceSteps:
             num_accepted, emitted = verify_chain(
                 logits, draft_tokens, num_draft, draft_probs,
                 dataclasses.replace(sampling, allowed=None), sample_index)
-            emitted, logprobs = undrafted(logits[:, 0], emitted, num_draft == 0, sampling,
+            emitted, logprobs = undrafted(logits[:, 0], emitted, meta.q_lens == 1, sampling,
                                           sample_index)
             return replicate(num_accepted), replicate(emitted), logprobs, hidden, cache
 
@@ -157,7 +159,7 @@ class DeviceSteps:
                 bind(params), cache, nodes, parents, meta,
                 dataclasses.replace(sampling, allowed=None), sample_index, depth,
                 self.feature_layers)
-            emitted, logprobs = undrafted(root_logits, emitted, meta.q_lens <= 1, sampling,
+            emitted, logprobs = undrafted(root_logits, emitted, meta.q_lens == 1, sampling,
                                           sample_index)
             return replicate(accepted), replicate(emitted), logprobs, hidden, cache
 
