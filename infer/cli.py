@@ -15,6 +15,7 @@ import time
 
 from absl import app, flags
 
+import infer.parallel.flags
 from infer.parallel.flags import define_distributed_flags, define_parallel_flags, parallel_kwargs
 
 flags.DEFINE_string("model", "smollm2-135m", "bundled preset, GGUF file or HF directory")
@@ -27,8 +28,12 @@ flags.DEFINE_integer("top_k", 0, "top-k sampling (0 disables)")
 flags.DEFINE_integer("seed", None, "PRNG seed of the sampler (default: a fresh one, printed)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype")
 flags.DEFINE_bool("ignore_eos", False, "keep generating past the end-of-sequence token")
+flags.DEFINE_bool("enable_prefix_caching", False, "reuse KV pages of shared prompt prefixes "
+                  "(what --dp_routing=prefix routes by)")
 define_parallel_flags()
 define_distributed_flags()
+# Defined in infer.parallel.flags, so absl's --help would leave them to --helpfull.
+flags.adopt_module_key_flags(infer.parallel.flags)
 
 
 def main(argv: list[str]) -> None:
@@ -42,7 +47,8 @@ def main(argv: list[str]) -> None:
     enable_compilation_cache()
     from infer import LLM, SamplingParams
 
-    llm = LLM(model=f.model, dtype=f.dtype, max_num_seqs=1, **parallel_kwargs())
+    llm = LLM(model=f.model, dtype=f.dtype, max_num_seqs=1,
+              enable_prefix_caching=f.enable_prefix_caching, **parallel_kwargs())
     params = SamplingParams(temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
                             max_tokens=f.max_tokens, seed=f.seed, ignore_eos=f.ignore_eos)
     generate = (lambda llm: llm.chat([{"role": "user", "content": f.prompt}], params)) if f.chat \

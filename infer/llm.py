@@ -68,7 +68,7 @@ class LLM:
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
             mixed_steps=mixed_steps,
             speculative=SpeculativeConfig(**speculative) if speculative else None)
-        check_routing(dp_routing)
+        check_routing(dp_routing, enable_prefix_caching)
         config, host_model, tokenizer = load_on_host(model, dtype)
         self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
         if warmup:
@@ -93,12 +93,13 @@ class LLM:
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
         EngineConfig fields, the parallel sizes are `LLM`'s."""
-        check_routing(dp_routing)
         llm = cls.__new__(cls)
         spec = engine.pop("speculative", None)
         if isinstance(spec, dict):
             spec = SpeculativeConfig(**spec)
-        llm._serve(config, model, tokenizer, EngineConfig(**engine, speculative=spec),
+        engine_config = EngineConfig(**engine, speculative=spec)
+        check_routing(dp_routing, engine_config.enable_prefix_caching)
+        llm._serve(config, model, tokenizer, engine_config,
                    ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads),
                    dp_routing)
         return llm

@@ -95,11 +95,12 @@ def run(llm: "LLM", main: Callable[["LLM"], T]) -> T | None:
                                         jax.process_count())
     if missing:
         # Every process raises here alike, so none is left waiting for another's broadcast.
+        held = ("the engine runs on one device, with no mesh" if mesh is None else
+                f"processes {missing} hold none of its mesh's {mesh.devices.size} devices")
         raise ValueError(
             f"across {jax.process_count()} processes the engine's mesh must hold devices of "
-            f"each, but processes {missing} have none of its "
-            f"{0 if mesh is None else mesh.devices.size} (of {jax.device_count()} devices in "
-            f"all): set tensor_parallel_size to jax.device_count()")
+            f"each, but {held} (of {jax.device_count()} devices in all): set "
+            f"tensor_parallel_size to jax.device_count()")
     if jax.process_index() != 0:
         _follow(runner)
         return None

@@ -9,11 +9,15 @@ from absl import flags
 ROUTINGS = ("least_loaded", "prefix")
 
 
-def check_routing(routing: str) -> None:
-    """Raises ValueError for a routing not in ROUTINGS: `LLM` checks it even with one replica,
-    which routes nothing, so that a typo never passes unseen."""
+def check_routing(routing: str, prefix_caching: bool) -> None:
+    """Raises ValueError for a routing not in ROUTINGS, or prefix-aware routing without the
+    prefix cache it reads: `LLM` checks it even with one replica, which routes nothing, so that
+    a typo never passes unseen, and before the weights are read."""
     if routing not in ROUTINGS:
         raise ValueError(f"dp_routing must be one of {ROUTINGS}, got {routing!r}")
+    if routing == "prefix" and not prefix_caching:
+        raise ValueError("dp_routing='prefix' routes by what each replica's prefix cache "
+                         "holds: it needs enable_prefix_caching=True (--enable_prefix_caching)")
 
 
 def define_parallel_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:

@@ -23,9 +23,7 @@ class ReplicatedEngine:
     def __init__(self, replicas: Sequence[Engine], routing: str = "least_loaded") -> None:
         if not replicas:
             raise ValueError("data parallelism needs at least one engine replica")
-        check_routing(routing)
-        if routing == "prefix" and replicas[0].prefix_cache is None:
-            raise ValueError("prefix-aware routing needs enable_prefix_caching=True")
+        check_routing(routing, replicas[0].prefix_cache is not None)
         self.replicas = list(replicas)
         self.routing = routing
         self.config = replicas[0].config

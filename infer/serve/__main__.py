@@ -13,6 +13,7 @@ import os
 
 from absl import app, flags
 
+import infer.parallel.flags
 from infer.parallel.flags import define_parallel_flags, parallel_kwargs
 
 flags.DEFINE_string("model", "smollm2-135m", "bundled preset, GGUF file or HF directory")
@@ -36,6 +37,8 @@ flags.DEFINE_enum("attention_backend", "reference", ["reference", "pallas"], "at
 flags.DEFINE_bool("mixed_steps", False, "prefill chunks and decode rows in one step")
 flags.DEFINE_bool("warmup", True, "compile every program before /health says ok")
 define_parallel_flags()
+# Defined in infer.parallel.flags, so absl's --help would leave them to --helpfull.
+flags.adopt_module_key_flags(infer.parallel.flags)
 
 
 def main(argv: list[str]) -> None:

@@ -144,9 +144,10 @@ class Server:
             body = {**body, "request_id": header_id}
         job = parse(body, self.served, self.engine.make_request, arrival_s)
         ids = [r.request_id for r in job.requests]
-        clash = next((i for i in ids if i in self._live_ids), None)
-        if clash is not None:
-            raise ApiError(400, f"request id {clash!r} is already in use", "request_id")
+        if any(i in self._live_ids for i in ids):
+            # The client's id, not the per-choice ids made from it (`{id}-{prompt}.{choice}`).
+            raise ApiError(400, f"request id {job.response_id!r} is already in use",
+                           "request_id")
         stream = _JobStream(job)
         self._live_ids.update(ids)
         try:

@@ -255,6 +255,7 @@ BAD_SETTINGS = [("scheduler", "fcfs"), ("attention_backend", "flash"),
                 ("static_max_wait_s", float("nan")), ("static_max_wait_s", "5"),
                 ("enable_prefix_caching", "no"), ("mixed_steps", 1),
                 ("async_scheduling", None), ("page_size", 0), ("dp_routing", "random"),
+                ("dp_routing", "prefix"),  # without the prefix cache it routes by
                 ("speculative", {"method": "ngram", "num_tokens": 0})]
 
 

@@ -118,3 +118,16 @@ def test_one_engine_checks_devices_and_heads_and_keys_one_device_rows_as_before(
         "tensor_parallel_size": 2, "pad_heads": True}
     single = common.one_engine("x")
     assert single.point == {} and single.parallel.is_single_device
+
+
+@pytest.mark.parametrize("module", ["infer.cli", "infer.serve"])
+def test_help_lists_the_parallel_flags(module: str) -> None:
+    """absl's --help lists the main module's key flags only; the parallel flags are defined in
+    infer.parallel.flags, so without being adopted they showed under --helpfull alone."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                         text=True, check=False).stdout
+    assert "--model" in out, out[:300]
+    for name in PARALLEL_FLAGS:
+        assert f"--{name}" in out or f"--[no]{name}" in out, (module, name)
