@@ -226,8 +226,9 @@ class DeviceSteps:
 
         Returns (num_accepted [B], emitted [B, depth+1] (the accepted path's candidates, the
         target's token, then -1), logprobs of rows without candidates as verify_step's, hidden
-        states [B, depth+1, E] of the root and the path's nodes, cache). The path's KV is moved to slots starts+1 .. starts+num_accepted, so
-        the cache is what verifying the accepted tokens as a chain would leave."""
+        states [B, depth+1, E] of the root and the path's nodes, cache). The path's KV is moved
+        to slots starts+1 .. starts+num_accepted, so the cache is what verifying the accepted
+        tokens as a chain would leave."""
         return self._tree_verify(self.params, cache, roots, nodes, parents, meta, sampling,
                                  sample_index, depth)
 
