@@ -206,7 +206,9 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if self.prefix_cache is not None:
-                self.prefix_cache.record(lookups=1, lookup_tokens=seq.num_tokens - 1)
+                # Every token of the request, as vLLM's queries count (`queries +=
+                # request.num_tokens`), though the last is never matched: it must be computed.
+                self.prefix_cache.record(lookups=1, lookup_tokens=seq.num_tokens)
             self._take_cached(seq, cached)
             seq.admitted_at = self._admissions  # RUNNING from now on
             self._admissions += 1

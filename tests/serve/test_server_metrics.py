@@ -129,3 +129,22 @@ def test_ttft_and_inter_token_latency_are_observed_as_tokens_come(tiny_model,
 
     _drive(engine, metrics, rng, prompts, abort_share=0.2, max_tokens=24, each_step=each_step)
     assert any(checked)  # some step left a request running with tokens
+
+
+def test_prefix_queries_count_every_token_of_each_lookup(tiny_model) -> None:
+    """vLLM's prefix-cache queries add each looked-up request's num_tokens (its last token
+    included, though never matched): with pages to spare and nothing aborted, every prompt is
+    looked up once, so the queries are the prompts' tokens."""
+    rng = np.random.default_rng()
+    shared = rng.integers(3, 200, int(rng.integers(5, 20))).tolist()
+    prompts = [shared + rng.integers(3, 200, int(rng.integers(0, 6))).tolist()
+               for _ in range(int(rng.integers(2, 8)))]
+    engine = tiny_engine(tiny_model, enable_prefix_caching=True)
+    for prompt in prompts:
+        engine.add_request(prompt_token_ids=prompt,
+                           params=SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.run_until_done()
+    stats = engine.prefix_cache_stats()
+    assert stats["lookups"] == len(prompts)
+    assert stats["lookup_tokens"] == sum(map(len, prompts)), (stats, prompts)
+    assert sum(r.prefix_queried_tokens for r in engine.records) == stats["lookup_tokens"]
