@@ -17,6 +17,14 @@ def tiny_engine(model: Llama, **overrides) -> Engine:
     return Engine(model, None, EngineConfig(**config))
 
 
+def run_jobs(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
+    """Each (prompt ids, params) job through `engine` until done: their final outputs, in the
+    jobs' order."""
+    ids = [engine.add_request(prompt_token_ids=p, params=s) for p, s in jobs]
+    outputs = {o.request_id: o for o in engine.stream() if o.finished}
+    return [outputs[i] for i in ids]
+
+
 def serve(model: Llama, tokenizer: Tokenizer | None, requests: list[list[int]],
           spec: SpeculativeConfig | None, params: SamplingParams, **overrides
           ) -> tuple[list[list[int]], dict[str, float]]:

@@ -14,10 +14,9 @@ import pytest
 
 from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata
-from infer.engine.engine import Engine
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
-from tests.engines import check_logprobs, tiny_engine
+from tests.engines import check_logprobs, run_jobs, tiny_engine
 
 
 @functools.cache
@@ -44,12 +43,6 @@ def _full_logprobs(model, ids: list[int], padded: int = 64) -> np.ndarray:
     return np.asarray(_forward(model)(jnp.asarray(tokens), jnp.asarray(len(ids))))[:len(ids)]
 
 
-def _run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(prompt_token_ids=p, params=s) for p, s in jobs]
-    outputs = {o.request_id: o for o in engine.stream() if o.finished}
-    return [outputs[i] for i in ids]
-
-
 def check_against_forward(model, prompt: list[int], out, k: int) -> None:
     check_logprobs(_full_logprobs(model, prompt + out.token_ids)[len(prompt) - 1:-1], out, k,
                    atol=2e-5)
@@ -74,7 +67,7 @@ def test_logprobs_equal_a_full_forward_on_every_path(tiny_model, options) -> Non
     jobs = _jobs(rng, tiny_model.config.vocab_size, 6)
     # A row that asks for none shares the batch, and gets none.
     jobs.append(([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
-    outs = _run(engine, jobs)
+    outs = run_jobs(engine, jobs)
     assert outs[-1].logprobs is None
     for (prompt, params), out in zip(jobs[:-1], outs):
         check_against_forward(tiny_model, prompt, out, params.logprobs)
@@ -92,8 +85,8 @@ def test_logprobs_do_not_change_the_tokens(tiny_model) -> None:
     jobs = _jobs(rng, tiny_model.config.vocab_size, 6)
     plain = [(p, dataclasses.replace(s, logprobs=None)) for p, s in jobs]
     engine = tiny_engine(tiny_model)
-    assert ([o.token_ids for o in _run(engine, jobs)]
-            == [o.token_ids for o in _run(engine, plain)])
+    assert ([o.token_ids for o in run_jobs(engine, jobs)]
+            == [o.token_ids for o in run_jobs(engine, plain)])
 
 
 def test_logprob_rows_draft_nothing_beside_rows_that_do(tiny_model) -> None:
@@ -103,9 +96,9 @@ def test_logprob_rows_draft_nothing_beside_rows_that_do(tiny_model) -> None:
     jobs = [([5, 6, 7, 8] * 4 + [5, 6], SamplingParams(max_tokens=10, logprobs=2,
                                                        ignore_eos=True)),
             ([9, 10, 11] * 5 + [9], SamplingParams(max_tokens=8, ignore_eos=True))]
-    expected = [o.token_ids for o in _run(tiny_engine(tiny_model), jobs)]
+    expected = [o.token_ids for o in run_jobs(tiny_engine(tiny_model), jobs)]
     spec = tiny_engine(tiny_model, speculative=SpeculativeConfig(method="ngram", num_tokens=2))
-    outs = _run(spec, jobs)
+    outs = run_jobs(spec, jobs)
     assert [o.token_ids for o in outs] == expected
     check_against_forward(tiny_model, jobs[0][0], outs[0], 2)
     assert outs[1].logprobs is None

@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infer.engine.engine import Engine
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
-from tests.engines import tiny_engine
+from tests.engines import run_jobs, tiny_engine
 
 
 def _jobs(rng: np.random.Generator, vocab: int) -> list[tuple[list[int], SamplingParams]]:
@@ -34,12 +33,6 @@ def _jobs(rng: np.random.Generator, vocab: int) -> list[tuple[list[int], Samplin
     return jobs
 
 
-def _run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(prompt_token_ids=p, params=s) for p, s in jobs]
-    outputs = {o.request_id: o for o in engine.stream() if o.finished}
-    return [outputs[i] for i in ids]
-
-
 def _specs(weights: dict[str, str]) -> dict[str, SpeculativeConfig]:
     return {"ngram": SpeculativeConfig("ngram", 3),
             "draft": SpeculativeConfig("draft", 2, draft_path=weights["draft"]),
@@ -50,9 +43,9 @@ def _specs(weights: dict[str, str]) -> dict[str, SpeculativeConfig]:
 def test_rows_without_drafts_sample_as_plain_decoding(tiny_model, tiny_weights, method) -> None:
     seed = int(np.random.SeedSequence().entropy % 2**32)
     jobs = _jobs(np.random.default_rng(seed), tiny_model.config.vocab_size)
-    plain = _run(tiny_engine(tiny_model), jobs)
+    plain = run_jobs(tiny_engine(tiny_model), jobs)
     engine = tiny_engine(tiny_model, speculative=_specs(tiny_weights)[method])
-    outs = _run(engine, jobs)
+    outs = run_jobs(engine, jobs)
     # Steps that verified drafts held rows asking for logprobs: the variant compiled for them.
     assert any(s.kind in ("verify", "tree") and s.logprobs for s in engine.runner.ready), seed
     assert engine.speculative_stats()["proposed"] > 0, seed
