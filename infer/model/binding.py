@@ -5,12 +5,16 @@ Handing jit the nnx module (or its graph as a static argument) made every call h
 re-flatten it, about 4 ms of host time a step. With the structure closed over and the leaves as
 arguments, a call costs what a call with plain arrays costs. The leaves are read once, when the
 binding is made: later edits of the module are not seen by the programs built on it.
+
+A program closes over the `Structure` alone, never over the arrays, so that one traced for a
+module serves every module of the same structure (`infer.model.programs`) without keeping the
+first one's weights alive.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from typing import Generic, Hashable, TypeVar
 
 import jax
 from flax import nnx
@@ -19,11 +23,10 @@ M = TypeVar("M", bound=nnx.Module)
 
 
 @dataclasses.dataclass(frozen=True)
-class Binding(Generic[M]):
-    """A module's weights (`params`, pass them to the jitted function) and `bind(params)`, which
-    rebuilds the module from them inside the trace."""
+class Structure(Generic[M]):
+    """What rebuilds a module from its flat weights: the nnx graph (its static settings, the
+    config among them) and the weights' tree. Hashable; holds no array."""
 
-    params: list[jax.Array]
     graphdef: nnx.GraphDef
     treedef: jax.tree_util.PyTreeDef
 
@@ -31,8 +34,27 @@ class Binding(Generic[M]):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
 
 
+@dataclasses.dataclass(frozen=True)
+class Binding(Generic[M]):
+    """A module's weights (`params`, pass them to the jitted function) and `bind(params)`, which
+    rebuilds the module from them inside the trace."""
+
+    params: list[jax.Array]
+    structure: Structure[M]
+
+    def bind(self, params: list[jax.Array]) -> M:
+        return self.structure.bind(params)
+
+    @property
+    def signature(self) -> Hashable:
+        """What a program traced for these weights depends on: the structure, and each weight's
+        shape, dtype and placement. Equal signatures, equal programs (bfloat16 and float32
+        weights share a structure, not a signature)."""
+        return self.structure, tuple((p.shape, p.dtype, p.sharding) for p in self.params)
+
+
 def binding(module: M) -> Binding[M]:
     """The module's binding: its weight arrays (not copied) and how to rebuild it from them."""
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten(state)
-    return Binding(params=leaves, graphdef=graphdef, treedef=treedef)
+    return Binding(params=leaves, structure=Structure(graphdef, treedef))
