@@ -108,3 +108,14 @@ def tiny_weights(tmp_path_factory) -> dict[str, str]:
     eagle3.fuse.set_value(jax.random.normal(jax.random.key(9), eagle3.fuse[...].shape) / 8)
     save_eagle(eagle3, paths["eagle3"])
     return paths
+
+
+@pytest.fixture
+def fresh_programs():
+    """A test that counts compilations, or patches what a trace reads (a kernel's threshold, a
+    verification rule), starts and leaves with no shared programs (`infer.model.programs`):
+    it compiles its own, and no later test runs a patched one."""
+    from infer.model.programs import PROGRAMS
+    PROGRAMS.clear()
+    yield PROGRAMS
+    PROGRAMS.clear()

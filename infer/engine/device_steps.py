@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
-from infer.model.binding import Binding, binding
+from infer.model.binding import Binding, Structure, binding
 from infer.model.llama import CacheT, Llama
+from infer.model.programs import PROGRAMS, count_executables
 from infer.model.sharding import replicate
 from infer.sampling import SampleLogprobs, SamplingArrays, sample, sample_logprobs
 from infer.spec.verify import path_tokens, tree_structure, verify_chain, verify_tree
@@ -79,9 +80,137 @@ def verify_tree_pass(model: Llama, cache: CacheT, nodes: jax.Array, parents: jax
     return logits[:, 0], accepted, emitted, hidden, cache
 
 
+@dataclasses.dataclass(eq=False)
+class StepPrograms:
+    """The jitted steps of one signature (`infer.model.programs`), shared by every `DeviceSteps`
+    over equal weights, mesh and feature layers; `ran` holds what their users have run (the
+    runner's keys), so a later engine knows which programs are compiled already."""
+
+    prefill: Callable
+    decode: Callable
+    forward: Callable
+    verify: Callable
+    tree_verify: Callable
+    mixed: Callable
+    jitted: tuple[Callable, ...]  # the jax.jit functions themselves, whose executables count
+    ran: set = dataclasses.field(default_factory=set)
+
+    def executables(self) -> int:
+        return count_executables(*self.jitted)
+
+
+def _step_programs(structure: Structure[Llama], mesh: jax.sharding.Mesh | None,
+                   feature_layers: tuple[int, ...]) -> StepPrograms:
+    """The six steps, jitted with the cache donated. They close over the structure, never over
+    weights: the memo may keep them after their first model is gone."""
+    bind = structure.bind
+
+    def sampled(logits, sampling, sample_index):
+        tokens = sample(logits, sampling, sample_index)
+        logprobs = None
+        if sampling.num_logprobs:  # static: only the logprobs variant computes them
+            logprobs = sample_logprobs(logits, tokens, sampling.num_logprobs)
+        return replicate((tokens, logprobs))
+
+    def prefill(params, cache, tokens, meta, sampling, sample_index):
+        model = bind(params)
+        if tokens.ndim == 1:  # one token per row, as a step samples them: [B] -> [B, 1]
+            tokens = tokens[:, None]
+        last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+        logits, hidden, cache = model(tokens, cache, meta, logit_index=last,
+                                      feature_layers=feature_layers)
+        tokens, logprobs = sampled(logits[:, 0], sampling, sample_index)
+        return tokens, logprobs, hidden, cache
+
+    def decode(params, cache, state):
+        model = bind(params)
+        meta = AttentionMetadata.for_decode(state.lengths, state.page_tables)
+        logits, _, cache = model(state.tokens[:, None], cache, meta)
+        logits = logits[:, 0]
+        tokens = replicate(sample(logits, state.sampling, state.sample_index))
+        state = dataclasses.replace(state, tokens=tokens, lengths=state.lengths + 1,
+                                    sample_index=state.sample_index + 1)
+        return state, logits, cache
+
+    def forward(params, cache, tokens, meta):
+        return bind(params)(tokens, cache, meta, feature_layers=feature_layers)
+
+    def undrafted(root_logits, emitted, alone, sampling, sample_index):
+        """Rows that verify no drafts (`alone` [B]: one query token; padding rows have
+        none, so a batch whose rows all drafted skips the draw) emit what a plain decode
+        step samples: the token stream's draw, under the row's structured-output mask,
+        with logprobs. So a row's tokens do not depend on whether its batch-mates
+        speculate, and a row that asks for logprobs or a mask (never drafted) shares a
+        step with rows that do."""
+        if sampling.num_logprobs:
+            tokens, logprobs = sampled(root_logits, sampling, sample_index)
+        else:  # the common case: every row drafted, and no second draw to pay for
+            tokens, logprobs = jax.lax.cond(
+                jnp.any(alone), lambda: sample(root_logits, sampling, sample_index),
+                lambda: emitted[:, 0]), None
+        return emitted.at[:, 0].set(jnp.where(alone, tokens, emitted[:, 0])), logprobs
+
+    def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
+               sample_index):
+        logits, hidden, cache = bind(params)(tokens, cache, meta,
+                                             feature_layers=feature_layers)
+        # Drafted rows are never constrained: their mask would hold for one position only.
+        num_accepted, emitted = verify_chain(
+            logits, draft_tokens, num_draft, draft_probs,
+            dataclasses.replace(sampling, allowed=None), sample_index)
+        emitted, logprobs = undrafted(logits[:, 0], emitted, meta.q_lens == 1, sampling,
+                                      sample_index)
+        return replicate(num_accepted), replicate(emitted), logprobs, hidden, cache
+
+    def tree_verify(params, cache, roots, nodes, parents, meta, sampling, sample_index,
+                    depth):
+        nodes = jnp.concatenate([roots[:, None], nodes], axis=1)  # [B, N], node 0 the root
+        root_logits, accepted, emitted, hidden, cache = verify_tree_pass(
+            bind(params), cache, nodes, parents, meta,
+            dataclasses.replace(sampling, allowed=None), sample_index, depth,
+            feature_layers)
+        emitted, logprobs = undrafted(root_logits, emitted, meta.q_lens == 1, sampling,
+                                      sample_index)
+        return replicate(accepted), replicate(emitted), logprobs, hidden, cache
+
+    def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
+        logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
+        tokens, logprobs = sampled(logits[0], sampling, sample_index)
+        return tokens, logprobs, cache
+
+    raw = {name: jax.jit(fn, donate_argnums=1)
+           for name, fn in (("prefill", prefill), ("decode", decode), ("forward", forward),
+                            ("verify", verify), ("mixed", mixed))}
+    # Speculation runs on one device (the engine refuses it on a mesh), so no placement.
+    raw["tree_verify"] = jax.jit(tree_verify, donate_argnums=1, static_argnums=8)
+    placed = {name: fn if name == "tree_verify" else _under_mesh(fn, mesh)
+              for name, fn in raw.items()}
+    return StepPrograms(**placed, jitted=tuple(raw.values()))
+
+
+def _under_mesh(program: Callable[..., R], mesh: jax.sharding.Mesh | None
+                ) -> Callable[..., R]:
+    """`program` called (and lowered: `.lower`) under the mesh, its inputs past the weights and
+    the cache replicated onto it; `program` itself without a mesh."""
+    if mesh is None:
+        return program
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def placed(run: Callable[..., R]) -> Callable[..., R]:
+        def call(params, cache, *inputs):
+            with jax.set_mesh(mesh):
+                return run(params, cache, *jax.device_put(inputs, whole))
+        return call
+
+    call = placed(program)
+    call.lower = placed(program.lower)
+    return call
+
+
 class DeviceSteps:
     """`prefill_step` and `decode_step` of one model, jitted with the cache donated; under
-    `mesh` when the model's weights are placed on one (`infer.parallel.placement`)."""
+    `mesh` when the model's weights are placed on one (`infer.parallel.placement`). The programs
+    come from `PROGRAMS`: engines over weights of one signature share them."""
 
     def __init__(self, model: Llama, mesh: jax.sharding.Mesh | None = None,
                  feature_layers: tuple[int, ...] = ()) -> None:
@@ -93,106 +222,12 @@ class DeviceSteps:
         self.feature_layers = tuple(feature_layers)
         self.binding: Binding[Llama] = binding(model)
         self.params: list[jax.Array] = self.binding.params
-        bind = self.binding.bind
-
-        def sampled(logits, sampling, sample_index):
-            tokens = sample(logits, sampling, sample_index)
-            logprobs = None
-            if sampling.num_logprobs:  # static: only the logprobs variant computes them
-                logprobs = sample_logprobs(logits, tokens, sampling.num_logprobs)
-            return replicate((tokens, logprobs))
-
-        def prefill(params, cache, tokens, meta, sampling, sample_index):
-            model = bind(params)
-            if tokens.ndim == 1:  # one token per row, as a step samples them: [B] -> [B, 1]
-                tokens = tokens[:, None]
-            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
-            logits, hidden, cache = model(tokens, cache, meta, logit_index=last,
-                                          feature_layers=self.feature_layers)
-            tokens, logprobs = sampled(logits[:, 0], sampling, sample_index)
-            return tokens, logprobs, hidden, cache
-
-        def decode(params, cache, state):
-            model = bind(params)
-            meta = AttentionMetadata.for_decode(state.lengths, state.page_tables)
-            logits, _, cache = model(state.tokens[:, None], cache, meta)
-            logits = logits[:, 0]
-            tokens = replicate(sample(logits, state.sampling, state.sample_index))
-            state = dataclasses.replace(state, tokens=tokens, lengths=state.lengths + 1,
-                                        sample_index=state.sample_index + 1)
-            return state, logits, cache
-
-        def forward(params, cache, tokens, meta):
-            return bind(params)(tokens, cache, meta, feature_layers=self.feature_layers)
-
-        def undrafted(root_logits, emitted, alone, sampling, sample_index):
-            """Rows that verify no drafts (`alone` [B]: one query token; padding rows have
-            none, so a batch whose rows all drafted skips the draw) emit what a plain decode
-            step samples: the token stream's draw, under the row's structured-output mask,
-            with logprobs. So a row's tokens do not depend on whether its batch-mates
-            speculate, and a row that asks for logprobs or a mask (never drafted) shares a
-            step with rows that do."""
-            if sampling.num_logprobs:
-                tokens, logprobs = sampled(root_logits, sampling, sample_index)
-            else:  # the common case: every row drafted, and no second draw to pay for
-                tokens, logprobs = jax.lax.cond(
-                    jnp.any(alone), lambda: sample(root_logits, sampling, sample_index),
-                    lambda: emitted[:, 0]), None
-            return emitted.at[:, 0].set(jnp.where(alone, tokens, emitted[:, 0])), logprobs
-
-        def verify(params, cache, tokens, meta, draft_tokens, num_draft, draft_probs, sampling,
-                   sample_index):
-            logits, hidden, cache = bind(params)(tokens, cache, meta,
-                                                 feature_layers=self.feature_layers)
-            # Drafted rows are never constrained: their mask would hold for one position only.
-            num_accepted, emitted = verify_chain(
-                logits, draft_tokens, num_draft, draft_probs,
-                dataclasses.replace(sampling, allowed=None), sample_index)
-            emitted, logprobs = undrafted(logits[:, 0], emitted, meta.q_lens == 1, sampling,
-                                          sample_index)
-            return replicate(num_accepted), replicate(emitted), logprobs, hidden, cache
-
-        def tree_verify(params, cache, roots, nodes, parents, meta, sampling, sample_index,
-                        depth):
-            nodes = jnp.concatenate([roots[:, None], nodes], axis=1)  # [B, N], node 0 the root
-            root_logits, accepted, emitted, hidden, cache = verify_tree_pass(
-                bind(params), cache, nodes, parents, meta,
-                dataclasses.replace(sampling, allowed=None), sample_index, depth,
-                self.feature_layers)
-            emitted, logprobs = undrafted(root_logits, emitted, meta.q_lens == 1, sampling,
-                                          sample_index)
-            return replicate(accepted), replicate(emitted), logprobs, hidden, cache
-
-        def mixed(params, cache, tokens, meta, logit_index, sampling, sample_index):
-            logits, _, cache = bind(params)(tokens, cache, meta, logit_index=logit_index)
-            tokens, logprobs = sampled(logits[0], sampling, sample_index)
-            return tokens, logprobs, cache
-
-        jit = lambda fn: self._under_mesh(jax.jit(fn, donate_argnums=1))
-        self._mixed = jit(mixed)
-        self._forward = jit(forward)
-        self._verify = jit(verify)
-        # Speculation runs on one device (the engine refuses it on a mesh), so no placement.
-        self._tree_verify = jax.jit(tree_verify, donate_argnums=1, static_argnums=8)
-        self._prefill = jit(prefill)
-        self._decode = jit(decode)
-
-    def _under_mesh(self, program: Callable[..., R]) -> Callable[..., R]:
-        """`program` called (and lowered: `.lower`) under the mesh, its inputs past the weights
-        and the cache replicated onto it; `program` itself without a mesh."""
-        if self.mesh is None:
-            return program
-        mesh, whole = self.mesh, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-
-        def placed(run: Callable[..., R]) -> Callable[..., R]:
-            def call(params, cache, *inputs):
-                with jax.set_mesh(mesh):
-                    return run(params, cache, *jax.device_put(inputs, whole))
-            return call
-
-        call = placed(program)
-        call.lower = placed(program.lower)
-        return call
+        self.programs = PROGRAMS.get(
+            ("steps", self.binding.signature, mesh, self.feature_layers),
+            lambda: _step_programs(self.binding.structure, mesh, self.feature_layers))
+        p = self.programs
+        self._prefill, self._decode, self._forward = p.prefill, p.decode, p.forward
+        self._verify, self._tree_verify, self._mixed = p.verify, p.tree_verify, p.mixed
 
     def forward_step(self, cache: CacheT, tokens: jax.Array, meta: AttentionMetadata
                      ) -> tuple[jax.Array, jax.Array, CacheT]:

@@ -141,8 +141,9 @@ class Runner:
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
         self.device_steps = DeviceSteps(model, mesh, proposer.feature_layers if proposer else ())
-        # Programs this process has run: the first run of any other compiles it (or loads it
-        # from the persistent cache) inside a user's step, and says so.
+        # Programs this runner has run. The first run of one no engine over these weights ran
+        # (`_compiled`) compiles it (or loads it from the persistent cache) inside a user's
+        # step, and says so.
         self.ready: set[Shape] = set()
         self.times = StepTimes()  # the latest step's
         # The last step's sampling arrays and the params they hold, reused while a batch's
@@ -157,6 +158,10 @@ class Runner:
                                          config.attention_backend, mesh=mesh,
                                          num_windows=window_slots(config.kv_format,
                                                                   config.max_num_seqs))
+        # What a step program depends on past its Shape and the weights (`DeviceSteps.programs`
+        # are shared by engines over equal weights): the cache's layout and the tree's.
+        self._layout = (jax.tree.structure(self.cache), config.tree,
+                        tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(self.cache)))
 
     @property
     def _with_windows(self) -> bool:
@@ -536,9 +541,17 @@ class Runner:
         return (tok, meta, jax.device_put(np.zeros((rows, k), np.int32)), jax.device_put(zeros),
                 probs, sampling, index)
 
+    def _compiled(self, shape: Shape) -> bool:
+        """Whether an engine over these weights ran `shape`'s program already; marks it run."""
+        ran, key = self.device_steps.programs.ran, (shape, self._layout)
+        self.ready.add(shape)
+        if key in ran:
+            return True
+        ran.add(key)
+        return False
+
     def _first_use(self, shape: Shape) -> None:
-        if shape not in self.ready:
-            self.ready.add(shape)
+        if shape not in self.ready and not self._compiled(shape):
             if shape.constrained or shape.logprobs:
                 logger().info("compiling the %s (a variant compiled on its first use only)",
                               shape)
@@ -547,7 +560,6 @@ class Runner:
                               "Engine.warmup() compiles all %d ahead)", shape, len(self.shapes()))
 
     def _run_shape(self, shape: Shape) -> None:
-        self.ready.add(shape)
         args = self._dummy(shape)
         step, _ = self._program(shape)
         *_, self.cache = step(self.cache, *args)
@@ -576,6 +588,8 @@ class Runner:
         if self.mirror is not None:
             self.mirror("warmup", False, threads)
         shapes = self.shapes()
+        # Programs an earlier engine over these weights ran are compiled: nothing to do.
+        todo = [shape for shape in shapes if not self._compiled(shape)]
         if jax.config.jax_compilation_cache_dir and threads > 1:
             import concurrent.futures
 
@@ -584,11 +598,10 @@ class Runner:
                 lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(compile_one, shapes))
-        todo = shapes
+                list(pool.map(compile_one, todo))
         if progress:
             from tqdm import tqdm
-            todo = tqdm(shapes, desc="compiling buckets", leave=False)
+            todo = tqdm(todo, desc="compiling buckets", leave=False)
         for shape in todo:
             self._run_shape(shape)
         copies = self.page_copy_sizes()

@@ -55,6 +55,7 @@ from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.model.binding import binding
 from infer.model.llama import Llama
+from infer.model.programs import PROGRAMS, count_executables
 from infer.sampling import SamplingArrays, draft_keys, draw
 from infer.spec.draft_vocab import DraftVocab, draft_logits, draft_vocab_rows
 from infer.spec.eagle_head import EagleHead
@@ -147,6 +148,19 @@ def _step_meta(positions: jax.Array, write: jax.Array, tables: jax.Array) -> Att
     return AttentionMetadata.for_prefill(write.astype(jnp.int32), 1,
                                          cached=jnp.where(write, positions, 0),
                                          page_tables=tables)
+
+
+@dataclasses.dataclass(eq=False)
+class _ProposerPrograms:
+    """A model proposer's jitted programs, shared through `PROGRAMS` by proposers over equal
+    weights and settings: catch-up, chain drafting, and (EAGLE) tree drafting."""
+
+    forward: Callable
+    chain: Callable
+    tree: Callable | None = None
+
+    def executables(self) -> int:
+        return count_executables(*(f for f in (self.forward, self.chain, self.tree) if f))
 
 
 @dataclasses.dataclass
@@ -411,39 +425,46 @@ class DraftModelProposer(_ModelProposer):
         super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
                          draft_vocab_rows(draft, vocab_ids), confidence)
         bound = binding(draft)
-        bind, self.params = bound.bind, bound.params
+        # The programs close over the structure alone (`PROGRAMS` may keep them past this
+        # proposer): never over `bound`, which holds the weights.
+        bind, self.params = bound.structure.bind, bound.params
 
-        def forward(params, cache, tokens, meta):
-            _, _, cache = bind(params)(tokens, cache, meta,
-                                       logit_index=_no_logits(tokens.shape[0]))
-            return cache
+        def build() -> _ProposerPrograms:
+            def forward(params, cache, tokens, meta):
+                _, _, cache = bind(params)(tokens, cache, meta,
+                                           logit_index=_no_logits(tokens.shape[0]))
+                return cache
 
-        def chain(params, vocab, cache, tokens, meta, limits, sampling, sample_index, k,
-                  sampled):
-            model = bind(params)
-            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+            def chain(params, vocab, cache, tokens, meta, limits, sampling, sample_index, k,
+                      sampled):
+                model = bind(params)
+                last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
 
-            def run(tokens, cache, meta, last):
-                """The forward; the final hidden state [B, E] at position `last` [B, 1], what
-                drafts come from."""
-                _, hidden, cache = model(tokens, cache, meta, logit_index=_no_logits(len(tokens)))
-                return jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0], cache
+                def run(tokens, cache, meta, last):
+                    """The forward; the final hidden state [B, E] at position `last` [B, 1],
+                    what drafts come from."""
+                    _, hidden, cache = model(tokens, cache, meta,
+                                             logit_index=_no_logits(len(tokens)))
+                    return jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0], cache
 
-            def draw_from(state, j):
-                keys = draft_keys(sampling.seeds, sample_index, j)
-                return _draw_draft(model, state, vocab, sampling, keys, sampled)
+                def draw_from(state, j):
+                    keys = draft_keys(sampling.seeds, sample_index, j)
+                    return _draw_draft(model, state, vocab, sampling, keys, sampled)
 
-            def feed(state, token, j, write, cache):
-                # x_n sits at lengths - 1: draft j + 1 (1-based) at lengths + j.
-                return run(token[:, None], cache, _step_meta(meta.lengths + j, write,
-                                                             meta.page_tables),
-                           jnp.zeros_like(last))
+                def feed(state, token, j, write, cache):
+                    # x_n sits at lengths - 1: draft j + 1 (1-based) at lengths + j.
+                    return run(token[:, None], cache, _step_meta(meta.lengths + j, write,
+                                                                 meta.page_tables),
+                               jnp.zeros_like(last))
 
-            state, cache = run(tokens, cache, meta, last)
-            return _draft_chain(draw_from, feed, state, cache, limits, k, confidence)
+                state, cache = run(tokens, cache, meta, last)
+                return _draft_chain(draw_from, feed, state, cache, limits, k, confidence)
 
-        self._forward_jit = jax.jit(forward, donate_argnums=1)
-        self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(8, 9))
+            return _ProposerPrograms(jax.jit(forward, donate_argnums=1),
+                                     jax.jit(chain, donate_argnums=2, static_argnums=(8, 9)))
+
+        programs = PROGRAMS.get(("draft", bound.signature, confidence), build)
+        self._forward_jit, self._chain_jit = programs.forward, programs.chain
 
     def _forward(self, cache, tokens, meta):
         return self._forward_jit(self.params, cache, tokens, meta)
@@ -486,67 +507,73 @@ class EagleProposer(_ModelProposer):
         self.feature_size = head.feature_size
         self.feature_layers = head.feature_layers
         bound = binding(_EagleDraft(head, target))
-        bind, self.params = bound.bind, bound.params
-
-        def forward(params, cache, features, next_tokens, meta):
-            m = bind(params)
-            _, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed, cache,
-                              meta)
-            return cache
-
-        def chain(params, vocab, cache, features, next_tokens, meta, limits, sampling,
-                  sample_index, k, sampled):
-            m = bind(params)
-            predicted, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed,
-                                      cache, meta)
-            last = jnp.maximum(meta.q_lens - 1, 0)
-            feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
-
-            def draw_from(feature, j):
-                keys = draft_keys(sampling.seeds, sample_index, j)
-                # A reduced vocabulary's token is the target id already: its target embedding
-                # is what the head reads next.
-                return _draw_draft(m.target, feature, vocab, sampling, keys, sampled)
-
-            def feed(feature, token, j, write, cache):
-                # Rows t sit at slot t: the next row's slot is lengths + j.
-                predicted, cache = m.head(feature[:, None], token[:, None], m.target.embed, cache,
-                                          _step_meta(meta.lengths + j, write, meta.page_tables))
-                return predicted[:, 0], cache
-
-            return _draft_chain(draw_from, feed, feature, cache, limits, k, confidence)
-
+        bind, self.params = bound.structure.bind, bound.params  # as the draft model's
         tree_shape = config.tree  # `tree` below is traced only when there is one
         if tree_shape is not None:
             self.catch_up_width = tree_shape.depth + 1  # a step accepts at most depth drafts
         log_confidence = None if confidence is None else float(np.log(confidence))
 
-        def tree(params, vocab, cache, features, next_tokens, meta, limits):
-            m = bind(params)
-            predicted, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed,
-                                      cache, meta)
-            last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
-            h_root = jnp.take_along_axis(predicted, last[..., None], axis=1)[:, 0]
-            root = jnp.take_along_axis(next_tokens, last, axis=1)[:, 0]
+        def build() -> _ProposerPrograms:
+            def forward(params, cache, features, next_tokens, meta):
+                m = bind(params)
+                _, cache = m.head(m.head.features_in(features), next_tokens, m.target.embed, cache,
+                                  meta)
+                return cache
 
-            def call_head(features, tokens, meta, cache):
-                return m.head(features, tokens, m.target.embed, cache, meta)
+            def chain(params, vocab, cache, features, next_tokens, meta, limits, sampling,
+                      sample_index, k, sampled):
+                m = bind(params)
+                predicted, cache = m.head(m.head.features_in(features), next_tokens,
+                                          m.target.embed, cache, meta)
+                last = jnp.maximum(meta.q_lens - 1, 0)
+                feature = jnp.take_along_axis(predicted, last[:, None, None], axis=1)[:, 0]
 
-            tokens, parents, scores, cache = draft_tree(
-                tree_shape, call_head, lambda h, k: top_children(m.target, vocab, h, k), cache,
-                h_root, root, meta.lengths, limits > 0, meta.page_tables)
-            n = tree_shape.num_nodes
-            counts = jnp.minimum(limits, n - 1)
-            if log_confidence is not None:
-                # Up to the last candidate the head is sure enough of; its ancestors are surer
-                # still, so the prefix holds every confident path.
-                sure = scores[:, 1:] >= log_confidence
-                counts = jnp.minimum(counts, jnp.max(jnp.where(sure, jnp.arange(1, n), 0), axis=1))
-            return tokens[:, 1:], parents, counts, cache
+                def draw_from(feature, j):
+                    keys = draft_keys(sampling.seeds, sample_index, j)
+                    # A reduced vocabulary's token is the target id already: its target embedding
+                    # is what the head reads next.
+                    return _draw_draft(m.target, feature, vocab, sampling, keys, sampled)
 
-        self._forward_jit = jax.jit(forward, donate_argnums=1)
-        self._chain_jit = jax.jit(chain, donate_argnums=2, static_argnums=(9, 10))
-        self._tree_jit = jax.jit(tree, donate_argnums=2)
+                def feed(feature, token, j, write, cache):
+                    # Rows t sit at slot t: the next row's slot is lengths + j.
+                    predicted, cache = m.head(feature[:, None], token[:, None], m.target.embed,
+                                              cache, _step_meta(meta.lengths + j, write,
+                                                                meta.page_tables))
+                    return predicted[:, 0], cache
+
+                return _draft_chain(draw_from, feed, feature, cache, limits, k, confidence)
+
+            def tree(params, vocab, cache, features, next_tokens, meta, limits):
+                m = bind(params)
+                predicted, cache = m.head(m.head.features_in(features), next_tokens,
+                                          m.target.embed, cache, meta)
+                last = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+                h_root = jnp.take_along_axis(predicted, last[..., None], axis=1)[:, 0]
+                root = jnp.take_along_axis(next_tokens, last, axis=1)[:, 0]
+
+                def call_head(features, tokens, meta, cache):
+                    return m.head(features, tokens, m.target.embed, cache, meta)
+
+                tokens, parents, scores, cache = draft_tree(
+                    tree_shape, call_head, lambda h, k: top_children(m.target, vocab, h, k), cache,
+                    h_root, root, meta.lengths, limits > 0, meta.page_tables)
+                n = tree_shape.num_nodes
+                counts = jnp.minimum(limits, n - 1)
+                if log_confidence is not None:
+                    # Up to the last candidate the head is sure enough of; its ancestors are surer
+                    # still, so the prefix holds every confident path.
+                    sure = scores[:, 1:] >= log_confidence
+                    counts = jnp.minimum(counts, jnp.max(jnp.where(sure, jnp.arange(1, n), 0),
+                                                         axis=1))
+                return tokens[:, 1:], parents, counts, cache
+
+            return _ProposerPrograms(jax.jit(forward, donate_argnums=1),
+                                     jax.jit(chain, donate_argnums=2, static_argnums=(9, 10)),
+                                     jax.jit(tree, donate_argnums=2))
+
+        programs = PROGRAMS.get(("eagle", bound.signature, confidence, tree_shape), build)
+        self._forward_jit, self._chain_jit = programs.forward, programs.chain
+        self._tree_jit = programs.tree
 
     def _tree(self, cache, features, next_tokens, meta, limits):
         return self._tree_jit(self.params, self._vocab, cache, features, next_tokens, meta, limits)

@@ -21,7 +21,7 @@ def _notices(caplog) -> list[str]:
             if r.name == "infer" and r.getMessage().startswith("compiling the ")]
 
 
-def test_each_first_use_is_announced_once(tiny_model, caplog) -> None:
+def test_each_first_use_is_announced_once(tiny_model, caplog, fresh_programs) -> None:
     engine = tiny_engine(tiny_model)
     with caplog.at_level(logging.INFO, logger="infer"):
         _run(engine, [[5, 6, 7], [8, 9, 10, 11], [12, 13]])

@@ -293,8 +293,8 @@ def test_prefix_caching_keeps_greedy_outputs_smollm2(smollm2_4_layers) -> None:
     assert stats["hits"] >= 7 and stats["prefill_tokens_saved"] >= 7 * 32
 
 
-def test_an_engine_on_one_cpu_device_runs_its_projections_in_the_tile_layout(monkeypatch
-                                                                            ) -> None:
+def test_an_engine_on_one_cpu_device_runs_its_projections_in_the_tile_layout(
+        monkeypatch, fresh_programs) -> None:
     """Where the CPU kernel runs AMX tiles, a bfloat16 engine on one device holds its layers'
     projections packed (`tile_weights`; `engine.model`), leaving the caller's model as loaded,
     and serves the tokens an engine over the weights as loaded serves when its products take

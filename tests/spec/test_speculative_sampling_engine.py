@@ -109,9 +109,11 @@ def accept_with_p(target_probs, draft_probs, draft_tokens, num_draft, key):
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))
-def test_a_wrong_acceptance_rule_fails(tiny_model, exact_law, monkeypatch, method) -> None:
+def test_a_wrong_acceptance_rule_fails(tiny_model, exact_law, monkeypatch, method,
+                                      fresh_programs) -> None:
     # verify_chain looks verify_sampled up in its module when an engine's verify step is first
-    # traced, so patching the name there before the engine runs reaches the jit.
+    # traced, so patching the name there before the engine runs reaches the jit (programs of
+    # its own: `fresh_programs`).
     monkeypatch.setattr(infer.spec.verify, "verify_sampled", accept_with_p)
     counts, spec_stats = sample_joint(tiny_model, SPECS[method], NUM_REQUESTS)
     assert spec_stats["proposed"] > 0
@@ -166,7 +168,8 @@ def emit_from_p(target_probs, tree_tokens, parents, key, max_depth=None):
     return path, accepted, inverse_cdf_pick(u, probs)
 
 
-def test_a_wrong_tree_rule_fails(tiny_model, exact_law, tree_spec, monkeypatch) -> None:
+def test_a_wrong_tree_rule_fails(tiny_model, exact_law, tree_spec, monkeypatch,
+                                 fresh_programs) -> None:
     # verify_tree looks verify_tree_sampled up in its module when the engine's tree verify
     # step is first traced.
     monkeypatch.setattr(infer.spec.verify, "verify_tree_sampled", emit_from_p)

@@ -1,0 +1,128 @@
+"""Engines over weights of one signature share their jitted programs (`infer.model.programs`):
+whatever order engines over different models come in, each serves its own model's tokens, an
+engine over a signature seen before compiles nothing, and the memo keeps the executables it
+holds under its bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.engine.engine import Engine, EngineConfig
+from infer.model.binding import binding
+from infer.model.config import get_config
+from infer.model.llama import Llama
+from infer.model.programs import ProgramMemo, count_executables
+from infer.sampling_params import SamplingParams
+from tests.engine.test_engine_reference import recompute_greedy
+
+TINY = get_config("tiny")
+# Settings a trace reads that change no array's shape: engines over these variants hold weights
+# of equal shapes and dtypes, and only the graph's static settings tell their programs apart.
+VARIANTS = [TINY, dataclasses.replace(TINY, rope_theta=500.0),
+            dataclasses.replace(TINY, rms_norm_eps=0.5)]
+
+
+def _compile_notices(caplog) -> int:
+    return sum(r.name == "infer" and r.getMessage().startswith("compiling the ")
+               for r in caplog.records)
+
+
+def test_engines_in_any_order_serve_their_own_models(fresh_programs, caplog) -> None:
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # a fresh order each run, named below
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, TINY.vocab_size, int(n)).tolist() for n in rng.integers(3, 20, 3)]
+    # With logprobs: a random model's greedy tokens hardly depend on its layers, its logprobs do.
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    # Two models per variant (other weights, same signature), met in a random order, some twice.
+    models = {(v, s): Llama(VARIANTS[v], jnp.float32, nnx.Rngs(10 * v + s))
+              for v in range(len(VARIANTS)) for s in range(2)}
+    keys = list(models)
+    order = [keys[i] for i in rng.permutation(len(keys))] + [
+        keys[i] for i in rng.permutation(len(keys))[:3]]
+    seen = set()
+    for v, s in order:
+        model = models[v, s]
+        want = [recompute_greedy(model)(p, params.max_tokens) for p in prompts]
+        engine = Engine(model, None, EngineConfig(max_num_seqs=4, max_prefill_tokens=32,
+                                                  max_model_len=64, page_size=4))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="infer"):
+            ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+            engine.run_until_done()
+        for i, (tokens, logprobs) in zip(ids, want):
+            out = engine.output(i)
+            context = f"seed {seed}: variant {v}, weights {s} after variants {sorted(seen)}"
+            assert out.token_ids == tokens, context
+            np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logprobs,
+                                       atol=1e-4, err_msg=context)
+        # A variant's second model has its first's signature: its programs, already compiled.
+        assert (_compile_notices(caplog) == 0) == (v in seen), f"seed {seed}: variant {v}"
+        seen.add(v)
+    assert len(fresh_programs) == len(VARIANTS)
+
+
+def test_bfloat16_weights_are_a_signature_of_their_own(fresh_programs, caplog) -> None:
+    """Equal graphs, other dtypes: the float32 engine's programs must not count as compiled for
+    bfloat16 weights (warm-up would skip them, and the first step would compile unannounced)."""
+    f32, bf16 = (Llama(TINY, dtype, nnx.Rngs(0)) for dtype in (jnp.float32, jnp.bfloat16))
+    # The graphs are equal (the dtype is the arrays'), so the dtypes must tell them apart.
+    assert binding(f32).structure == binding(bf16).structure
+    assert binding(f32).signature != binding(bf16).signature
+    config = EngineConfig(max_num_seqs=2, max_prefill_tokens=16, max_model_len=32, page_size=4)
+    warm = Engine(f32, None, config)
+    warm.warmup()
+    engine = Engine(bf16, None, config)
+    assert engine.warmup() > 0 and len(fresh_programs) == 2
+    with caplog.at_level(logging.INFO, logger="infer"):
+        engine.add_request(prompt_token_ids=[3, 4, 5], params=SamplingParams(max_tokens=4))
+        engine.run_until_done()
+    assert _compile_notices(caplog) == 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    count: int
+
+    def executables(self) -> int:
+        return self.count
+
+
+def test_the_memo_drops_the_least_recently_used_past_its_bound() -> None:
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    bound = int(rng.integers(4, 40))
+    memo, built = ProgramMemo(max_executables=bound), {}
+    order = []
+    for _ in range(200):
+        key = int(rng.integers(12))
+        order.append(key)
+        held = memo.get(key, lambda: built.setdefault(key, _Held(int(rng.integers(0, 12)))))
+        assert held is built[key]  # built once, returned while kept
+        kept = list(memo._sets)
+        assert kept[-1] == key
+        # Over the bound only if the set just asked for alone is; and what it dropped were the
+        # least recently used: the kept sets are a suffix of the order of use.
+        assert memo.executables() <= bound or len(kept) == 1
+        used = list(dict.fromkeys(reversed(order)))[::-1]
+        assert kept == used[len(used) - len(kept):]
+        for dropped in set(built) - set(kept):
+            del built[dropped]  # a dropped set is built anew when asked for again
+        if rng.random() < 0.3:
+            held.count = int(rng.integers(0, 12))  # a set's executables grow after use
+
+
+def test_executables_are_counted_per_signature_run() -> None:
+    import jax
+    f, g = jax.jit(lambda x: x + 1), jax.jit(lambda x: x * 2)
+    f(1.0), f(jnp.ones(3)), f(jnp.ones(3) * 2), g(jnp.ones((2, 2)))
+    assert count_executables(f, g) == 3
+
+
+def test_a_bound_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        ProgramMemo(0)
