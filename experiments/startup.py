@@ -1,6 +1,9 @@
 """Start-up cost of `LLM(...)`: what a user waits for before the first token, compiling lazily
 (each program at its first use, announced) or ahead (`warmup=True`), with JAX's persistent
 compilation cache cold (a fresh directory) and warm (a second process on the same directory).
+Each process then builds a second `LLM` over the same weights twice: with the programs the first
+traced dropped ("rebuilt": re-traced, loaded from the caches) and with them kept ("shared",
+`infer.model.programs`).
 
   python -m experiments.startup --max_num_seqs=32 --max_model_len=2048
 
@@ -44,8 +47,26 @@ with CompileCounter() as compiled:
     first = time.perf_counter()
     llm.generate(["The capital of France is"], params)
     second = time.perf_counter()
-print(json.dumps({"llm_s": built - start, "first_generate_s": first - built,
-                  "second_generate_s": second - first, "programs": compiled.count}))
+row = {"llm_s": built - start, "first_generate_s": first - built,
+       "second_generate_s": second - first, "programs": compiled.count}
+# A second LLM over the same weights in this process: first without the programs the first one
+# traced (cleared: how every engine started before they were shared), then with them.
+import gc
+from infer.model.programs import PROGRAMS
+for name in ("rebuilt", "shared"):
+    del llm
+    gc.collect()
+    if name == "rebuilt":
+        PROGRAMS.clear()
+    with CompileCounter() as compiled:
+        start = time.perf_counter()
+        llm = LLM(model="smollm2-135m", dtype=dtype, max_num_seqs=seqs,
+                  max_model_len=model_len, warmup=mode == "warmup", **parallel)
+        built = time.perf_counter()
+        llm.generate(["The capital of France is"], params)
+    row |= {f"{name}_llm_s": built - start, f"{name}_first_generate_s": time.perf_counter() - built,
+            f"{name}_programs": compiled.count}
+print(json.dumps(row))
 """
 
 
@@ -54,7 +75,8 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
         data_parallel_size: int = 1, pad_heads: bool = False,
         dp_routing: str = "least_loaded") -> list[dict]:
     """Rows per (mode, cache): seconds in LLM(), in the first generate call and in a second one,
-    and the programs made executable; the table from the file."""
+    and the programs made executable; then the same for a second LLM in the process, rebuilt and
+    shared; the table from the file."""
     import json
     import subprocess
     import sys
@@ -85,7 +107,12 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
     print(markdown_table(rows, [("mode", "mode"), ("cache", "compilation cache"),
                                 ("llm_s", "LLM() s"), ("first_generate_s", "first generate s"),
                                 ("second_generate_s", "second generate s"),
-                                ("programs", "programs")]))
+                                ("programs", "programs"),
+                                ("rebuilt_llm_s", "2nd LLM() s, rebuilt"),
+                                ("rebuilt_first_generate_s", "its first generate s"),
+                                ("shared_llm_s", "2nd LLM() s, shared"),
+                                ("shared_first_generate_s", "its first generate s"),
+                                ("shared_programs", "programs (shared)")]))
     return rows
 
 
