@@ -17,9 +17,10 @@ row's page. The padding rules are `infer.engine.buckets`'.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -33,6 +34,7 @@ from infer.engine.device_steps import DeviceSteps
 from infer.engine.metrics import StepTimes
 from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
 from infer.engine.request import TokenLogprob
+from infer.model.binding import placement
 from infer.model.llama import Llama
 from infer.platform import logger
 from infer.sampling import SampleLogprobs, SamplingArrays
@@ -141,8 +143,8 @@ class Runner:
         self.proposer = proposer
         self.spec_stats = SpeculationStats()
         self.device_steps = DeviceSteps(model, mesh, proposer.feature_layers if proposer else ())
-        # Programs this runner has run. The first run of one no engine over these weights ran
-        # (`_compiled`) compiles it (or loads it from the persistent cache) inside a user's
+        # Programs this runner has run. The first run of one that no engine over these weights
+        # ran (`_compiled`) compiles it (or loads it from the persistent cache) inside a user's
         # step, and says so.
         self.ready: set[Shape] = set()
         self.times = StepTimes()  # the latest step's
@@ -161,7 +163,7 @@ class Runner:
         # What a step program depends on past its Shape and the weights (`DeviceSteps.programs`
         # are shared by engines over equal weights): the cache's layout and the tree's.
         self._layout = (jax.tree.structure(self.cache), config.tree,
-                        tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(self.cache)))
+                        tuple(map(placement, jax.tree.leaves(self.cache))))
 
     @property
     def _with_windows(self) -> bool:
@@ -276,11 +278,11 @@ class Runner:
         start = time.perf_counter()
         inputs = self._inputs(seqs, tokens, cached, q_lens, width, sample_index, feed)
         sampling = inputs[2]
-        self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width,
-                              constrained=sampling.allowed is not None,
-                              logprobs=bool(sampling.num_logprobs)))
-        sampled, logprobs, hidden, self.cache = self.device_steps.prefill_step(self.cache,
-                                                                               *inputs)
+        with self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width,
+                                   constrained=sampling.allowed is not None,
+                                   logprobs=bool(sampling.num_logprobs))):
+            sampled, logprobs, hidden, self.cache = self.device_steps.prefill_step(self.cache,
+                                                                                   *inputs)
         self.times.inputs_s += time.perf_counter() - start
         return sampled, logprobs, hidden
 
@@ -350,9 +352,10 @@ class Runner:
         start = time.perf_counter()
         inputs = self._mixed_inputs(chunk, seqs, rows, t, width)
         sampling = inputs[3]
-        self._first_use(Shape("mixed", rows, t, width, constrained=sampling.allowed is not None,
-                              logprobs=bool(sampling.num_logprobs)))
-        sampled, logprobs, self.cache = self.device_steps.mixed_step(self.cache, *inputs)
+        with self._first_use(Shape("mixed", rows, t, width,
+                                   constrained=sampling.allowed is not None,
+                                   logprobs=bool(sampling.num_logprobs))):
+            sampled, logprobs, self.cache = self.device_steps.mixed_step(self.cache, *inputs)
         self.times.inputs_s += time.perf_counter() - start
         real = [chunk.seq] + list(seqs)
         return self._emitted(self._wait(sampled)[:len(real)].tolist(),
@@ -428,12 +431,12 @@ class Runner:
         start = time.perf_counter()
         tok, meta, sampling, index = self._inputs(seqs, tokens, cached, q_lens, width,
                                                   sample_index)
-        self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None,
-                              constrained=sampling.allowed is not None,
-                              logprobs=bool(sampling.num_logprobs)))
-        accepted, emitted, logprobs, hidden, self.cache = self.device_steps.verify_step(
-            self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts), draft_probs,
-            sampling, index)
+        with self._first_use(Shape("verify", rows, k + 1, width, draft_probs is not None,
+                                   constrained=sampling.allowed is not None,
+                                   logprobs=bool(sampling.num_logprobs))):
+            accepted, emitted, logprobs, hidden, self.cache = self.device_steps.verify_step(
+                self.cache, tok, meta, jax.device_put(drafts), jax.device_put(counts),
+                draft_probs, sampling, index)
         self.times.inputs_s += time.perf_counter() - start
         return self._accepted(seqs, counts, accepted, emitted, logprobs, hidden)
 
@@ -476,11 +479,12 @@ class Runner:
         start = time.perf_counter()
         _, meta, sampling, index = self._inputs(seqs, np.zeros((rows, n), np.int32), cached,
                                                 q_lens, width, sample_index)
-        self._first_use(Shape("tree", rows, n, width, constrained=sampling.allowed is not None,
-                              logprobs=bool(sampling.num_logprobs)))
-        accepted, emitted, logprobs, hidden, self.cache = self.device_steps.tree_verify_step(
-            self.cache, jax.device_put(roots), nodes, parents, meta, sampling, index,
-            shape.depth)
+        with self._first_use(Shape("tree", rows, n, width,
+                                   constrained=sampling.allowed is not None,
+                                   logprobs=bool(sampling.num_logprobs))):
+            accepted, emitted, logprobs, hidden, self.cache = self.device_steps.tree_verify_step(
+                self.cache, jax.device_put(roots), nodes, parents, meta, sampling, index,
+                shape.depth)
         self.times.inputs_s += time.perf_counter() - start
         return self._accepted(seqs, counts, accepted, emitted, logprobs, hidden)
 
@@ -542,27 +546,33 @@ class Runner:
                 probs, sampling, index)
 
     def _compiled(self, shape: Shape) -> bool:
-        """Whether an engine over these weights ran `shape`'s program already; marks it run."""
-        ran, key = self.device_steps.programs.ran, (shape, self._layout)
-        self.ready.add(shape)
-        if key in ran:
-            return True
-        ran.add(key)
-        return False
+        """Whether this runner, or an engine over these weights, ran `shape`'s program."""
+        return shape in self.ready or (shape, self._layout) in self.device_steps.programs.ran
 
-    def _first_use(self, shape: Shape) -> None:
-        if shape not in self.ready and not self._compiled(shape):
+    def _ran(self, shape: Shape) -> None:
+        """Marks `shape` run, once its step has returned: its program is compiled."""
+        self.ready.add(shape)
+        self.device_steps.programs.ran.add((shape, self._layout))
+
+    @contextlib.contextmanager
+    def _first_use(self, shape: Shape) -> Iterator[None]:
+        """Around the step that runs `shape`: announces a program nothing over these weights ran
+        (its step compiles it, or loads it from the persistent cache)."""
+        if not self._compiled(shape):
             if shape.constrained or shape.logprobs:
                 logger().info("compiling the %s (a variant compiled on its first use only)",
                               shape)
             else:
                 logger().info("compiling the %s (its first use in this process; "
                               "Engine.warmup() compiles all %d ahead)", shape, len(self.shapes()))
+        yield
+        self._ran(shape)
 
     def _run_shape(self, shape: Shape) -> None:
         args = self._dummy(shape)
         step, _ = self._program(shape)
         *_, self.cache = step(self.cache, *args)
+        self._ran(shape)
 
     def _program(self, shape: Shape
                  ) -> tuple[Callable[..., tuple], Callable[..., jax.stages.Lowered]]:
@@ -604,6 +614,7 @@ class Runner:
             todo = tqdm(todo, desc="compiling buckets", leave=False)
         for shape in todo:
             self._run_shape(shape)
+        self.ready.update(shapes)  # those an engine over these weights ran included
         copies = self.page_copy_sizes()
         for n in copies:  # copies onto page num_pages are dropped: the pool is unchanged
             self.cache = copy_pages(self.cache, [0] * n, [self.config.num_pages] * n)

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Generic, Hashable, TypeVar
 
 import jax
+import numpy as np
 from flax import nnx
 
 M = TypeVar("M", bound=nnx.Module)
@@ -48,9 +49,16 @@ class Binding(Generic[M]):
     @property
     def signature(self) -> Hashable:
         """What a program traced for these weights depends on: the structure, and each weight's
-        shape, dtype and placement. Equal signatures, equal programs (bfloat16 and float32
-        weights share a structure, not a signature)."""
-        return self.structure, tuple((p.shape, p.dtype, p.sharding) for p in self.params)
+        `placement`. Equal signatures, equal programs (bfloat16 and float32 weights share a
+        structure, not a signature)."""
+        return self.structure, tuple(map(placement, self.params))
+
+
+def placement(array: jax.Array | np.ndarray) -> Hashable:
+    """What jit keys an argument's executable on: shape, dtype, sharding, and whether the array
+    was put on its device explicitly (committed). Host arrays have no sharding: None."""
+    return (array.shape, np.dtype(array.dtype), getattr(array, "sharding", None),
+            getattr(array, "committed", False))
 
 
 def binding(module: M) -> Binding[M]:

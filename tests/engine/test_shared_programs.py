@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from infer.engine.engine import Engine, EngineConfig
 from infer.model.binding import binding
 from infer.model.config import get_config
 from infer.model.llama import Llama
+from infer.engine.runner import Runner
 from infer.model.programs import ProgramMemo, count_executables
+from infer.platform import CompileCounter
 from infer.sampling_params import SamplingParams
 from tests.engine.test_engine_reference import recompute_greedy
 
@@ -85,6 +88,72 @@ def test_bfloat16_weights_are_a_signature_of_their_own(fresh_programs, caplog) -
     assert _compile_notices(caplog) == 0
 
 
+def _on_host(model: Llama) -> Llama:
+    """The model with every weight a numpy array, as `load_on_host` leaves a checkpoint."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(np.asarray, state))
+
+
+def _first_request_compiles(engine: Engine, caplog) -> tuple[int, int]:
+    """(programs made executable, compile notices) while `engine` serves one request."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="infer"), CompileCounter() as compiled:
+        engine.add_request(prompt_token_ids=[3, 4, 5, 6, 7], params=SamplingParams(
+            max_tokens=5, ignore_eos=True))
+        engine.run_until_done()
+    return compiled.count, _compile_notices(caplog)
+
+
+SMALL = EngineConfig(max_num_seqs=2, max_prefill_tokens=16, max_model_len=32, page_size=4)
+
+
+def test_weights_placed_otherwise_are_programs_of_their_own(fresh_programs, caplog) -> None:
+    """jit keys executables on each argument's placement (host or device, committed or not):
+    so must the signature, or a warmed-up engine's first request compiles unannounced. Host
+    (numpy) weights run, as before programs were shared, and give the device weights' tokens."""
+    model = Llama(TINY, jnp.float32, nnx.Rngs(1))
+    graphdef, state = nnx.split(model)
+    committed = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+    signatures = {binding(m).signature for m in (model, committed, _on_host(model))}
+    assert len(signatures) == 3
+    outputs = []
+    for variant in (model, _on_host(model)):
+        engine = Engine(variant, None, SMALL)
+        engine.warmup()
+        assert _first_request_compiles(engine, caplog) == (0, 0)
+        outputs.append(engine.output("0").token_ids)
+    assert outputs[0] == outputs[1] and len(fresh_programs) == 2
+
+
+def test_an_interrupted_warmup_leaves_the_rest_to_the_next_engine(fresh_programs, caplog,
+                                                                  monkeypatch) -> None:
+    """Only programs whose step returned count as run: after a warm-up stopped part-way (a
+    Ctrl-C in a notebook), the next engine over the same weights warms up the rest, and its
+    requests compile nothing."""
+    model = Llama(TINY, jnp.float32, nnx.Rngs(2))
+    first = Engine(model, None, SMALL)
+    runs = [0]
+    real = Runner._run_shape
+
+    def interrupted(runner, shape):
+        runs[0] += 1
+        if runs[0] == 2:
+            raise KeyboardInterrupt
+        real(runner, shape)
+
+    monkeypatch.setattr(Runner, "_run_shape", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        # One thread: each program compiles as its step runs (with two, an ahead-of-time pass
+        # compiles them all before the first step runs).
+        first.runner.warmup(threads=1)
+    monkeypatch.undo()
+    second = Engine(model, None, SMALL)
+    second.warmup()
+    assert len(first.runner.ready) == 1  # the one step that returned
+    assert second.runner.ready == set(second.runner.shapes())
+    assert _first_request_compiles(second, caplog) == (0, 0)
+
+
 @dataclasses.dataclass(eq=False)
 class _Held:
     count: int
@@ -117,7 +186,6 @@ def test_the_memo_drops_the_least_recently_used_past_its_bound() -> None:
 
 
 def test_executables_are_counted_per_signature_run() -> None:
-    import jax
     f, g = jax.jit(lambda x: x + 1), jax.jit(lambda x: x * 2)
     f(1.0), f(jnp.ones(3)), f(jnp.ones(3) * 2), g(jnp.ones((2, 2)))
     assert count_executables(f, g) == 3
