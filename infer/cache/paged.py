@@ -63,7 +63,8 @@ class PagedKVCache(WriteThenAttend):
     def create(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, kv_format: str = "float32", backend: str = "reference",
                rotate: bool | None = None, mesh: jax.sharding.Mesh | None = None,
-               num_windows: int = 0) -> "PagedKVCache":
+               num_windows: int = 0, device: jax.sharding.Sharding | None = None
+               ) -> "PagedKVCache":
         """A zeroed pool. Zero pages matter: attention gives masked slots probability 0, and
         0 * garbage must stay 0, so unused slots must never hold NaN or inf.
 
@@ -77,7 +78,8 @@ class PagedKVCache(WriteThenAttend):
         raises here. kv_format may be an alias ("fp8"); the cache holds the canonical name.
 
         mesh: allocate the pool split over KV heads on it (`PAGE_AXES`), never whole on one
-        device.
+        device. device (without a mesh): allocate it there, committed, beside weights put on
+        that device explicitly (`infer.model.binding.committed_device`).
 
         num_windows: int4_kivi's bfloat16 windows, one per sequence that holds pages at once
         (`PageAllocator(num_windows=)` hands them out). Rotation there is of values alone: keys
@@ -91,10 +93,10 @@ class PagedKVCache(WriteThenAttend):
                              f"{num_pages}, page_size={page_size}")
         if kv_format == kivi.KIVI_FORMAT:
             return PagedKVCache._create_kivi(num_layers, num_pages, page_size, num_kv_heads,
-                                             head_dim, backend, rotate, mesh, num_windows)
+                                             head_dim, backend, rotate, mesh, num_windows,
+                                             device)
         shape = (num_pages, num_kv_heads, page_size, kv_quant.stored_head_dim(head_dim, kv_format))
         dtype = kv_quant.bits_dtype(kv_quant.storage_dtype(kv_format))
-        device = None
         if mesh is not None:
             device = jax.sharding.NamedSharding(mesh, DEFAULT_RULES.spec(PAGE_AXES))
         zeros = lambda shape, dtype: jnp.zeros(shape, dtype, device=device)
@@ -113,7 +115,8 @@ class PagedKVCache(WriteThenAttend):
     @staticmethod
     def _create_kivi(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                      head_dim: int, backend: str, rotate: bool | None,
-                     mesh: jax.sharding.Mesh | None, num_windows: int) -> "PagedKVCache":
+                     mesh: jax.sharding.Mesh | None, num_windows: int,
+                     device: jax.sharding.Sharding | None) -> "PagedKVCache":
         kivi.check_geometry(head_dim, page_size)
         if backend != "reference":
             raise ValueError(f"{kivi.KIVI_FORMAT} is read by the reference attention backend "
@@ -123,16 +126,18 @@ class PagedKVCache(WriteThenAttend):
             raise ValueError(f"{kivi.KIVI_FORMAT} keeps each sequence's newest pages in a "
                              "bfloat16 window: num_windows must be >= 1 (the most sequences "
                              f"holding pages at once), got {num_windows}")
-        device = None
+        tags_device = device  # on a mesh, the tags stay whole on the default device
         if mesh is not None:
             device = jax.sharding.NamedSharding(mesh, DEFAULT_RULES.spec(PAGE_AXES))
+            tags_device = None
         zeros = lambda shape, dtype: tuple(jnp.zeros(shape, dtype, device=device)
                                            for _ in range(num_layers))
         page = (num_pages, num_kv_heads, page_size)
         entries = num_windows * kivi.WINDOW_PAGES
         window = (entries, num_kv_heads, page_size, head_dim)
         bf16 = kv_quant.bits_dtype(jnp.bfloat16)
-        tags = tuple(jnp.full((entries, 2), -1, jnp.int32) for _ in range(num_layers))
+        tags = tuple(jnp.full((entries, 2), -1, jnp.int32, device=tags_device)
+                     for _ in range(num_layers))
         if rotate is None:
             rotate = True
         if rotate:

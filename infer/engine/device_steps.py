@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
-from infer.model.binding import Binding, Structure, binding
+from infer.model.binding import Binding, Structure, binding, committed_device
 from infer.model.llama import CacheT, Llama
 from infer.model.programs import PROGRAMS, count_executables
 from infer.model.sharding import replicate
@@ -100,7 +100,8 @@ class StepPrograms:
 
 
 def _step_programs(structure: Structure[Llama], mesh: jax.sharding.Mesh | None,
-                   feature_layers: tuple[int, ...]) -> StepPrograms:
+                   feature_layers: tuple[int, ...], device: jax.sharding.Sharding | None
+                   ) -> StepPrograms:
     """The six steps, jitted with the cache donated. They close over the structure, never over
     weights: the memo may keep them after their first model is gone."""
     bind = structure.bind
@@ -178,11 +179,12 @@ def _step_programs(structure: Structure[Llama], mesh: jax.sharding.Mesh | None,
         tokens, logprobs = sampled(logits[0], sampling, sample_index)
         return tokens, logprobs, cache
 
-    raw = {name: jax.jit(fn, donate_argnums=1)
+    placed = {} if device is None else {"in_shardings": device}
+    raw = {name: jax.jit(fn, donate_argnums=1, **placed)
            for name, fn in (("prefill", prefill), ("decode", decode), ("forward", forward),
                             ("verify", verify), ("mixed", mixed))}
     # Speculation runs on one device (the engine refuses it on a mesh), so no placement.
-    raw["tree_verify"] = jax.jit(tree_verify, donate_argnums=1, static_argnums=8)
+    raw["tree_verify"] = jax.jit(tree_verify, donate_argnums=1, static_argnums=8, **placed)
     placed = {name: fn if name == "tree_verify" else _under_mesh(fn, mesh)
               for name, fn in raw.items()}
     return StepPrograms(**placed, jitted=tuple(raw.values()))
@@ -222,9 +224,12 @@ class DeviceSteps:
         self.feature_layers = tuple(feature_layers)
         self.binding: Binding[Llama] = binding(model)
         self.params: list[jax.Array] = self.binding.params
+        # Weights put on one device explicitly: every input goes there (caches included).
+        self.device = committed_device(self.params) if mesh is None else None
         self.programs = PROGRAMS.get(
             ("steps", self.binding.signature, mesh, self.feature_layers),
-            lambda: _step_programs(self.binding.structure, mesh, self.feature_layers))
+            lambda: _step_programs(self.binding.structure, mesh, self.feature_layers,
+                                   self.device))
         p = self.programs
         self._prefill, self._decode, self._forward = p.prefill, p.decode, p.forward
         self._verify, self._tree_verify, self._mixed = p.verify, p.tree_verify, p.mixed

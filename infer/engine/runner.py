@@ -159,7 +159,8 @@ class Runner:
                                          c.num_kv_heads, c.head_dim, config.kv_format,
                                          config.attention_backend, mesh=mesh,
                                          num_windows=window_slots(config.kv_format,
-                                                                  config.max_num_seqs))
+                                                                  config.max_num_seqs),
+                                         device=self.device_steps.device)
         # What a step program depends on past its Shape and the weights (`DeviceSteps.programs`
         # are shared by engines over equal weights): the cache's layout and the tree's.
         self._layout = (jax.tree.structure(self.cache), config.tree,

@@ -61,6 +61,23 @@ def placement(array: jax.Array | np.ndarray) -> Hashable:
             getattr(array, "committed", False))
 
 
+def committed_device(params: list[jax.Array]) -> jax.sharding.Sharding | None:
+    """The one device weights were put on explicitly (committed), or None. A program over them
+    takes every input there (`in_shardings`): inputs of either kind then share one executable,
+    where jit would compile one per mix of committed and uncommitted arguments."""
+    placed = {p.sharding for p in params if getattr(p, "committed", False)}
+    if len(placed) > 1:
+        raise ValueError("weights committed to several devices without a mesh: place them "
+                         "with infer.parallel.placement.place_model")
+    return placed.pop() if placed else None
+
+
+def on_device(module: M, device: jax.sharding.Sharding) -> M:
+    """The module with every weight on `device`, committed (arrays already there are kept)."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.device_put(state, device))
+
+
 def binding(module: M) -> Binding[M]:
     """The module's binding: its weight arrays (not copied) and how to rebuild it from them."""
     graphdef, state = nnx.split(module)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from infer.model.binding import binding, committed_device, on_device
 from infer.model.llama import Llama, tile_weights
 from infer.sampling_params import is_real
 from infer.spec.draft_model import load_draft, self_draft
@@ -155,15 +156,20 @@ def make_proposer(config: SpeculativeConfig, model: Llama, runner_config: "Runne
         return SuffixProposer(config.suffix_max_match, config.suffix_spec_factor,
                               config.suffix_min_prob, config.num_tokens,
                               config.suffix_corpus_tokens, config.suffix_corpus_prompts)
+    # A target put on a device explicitly has its proposer's weights put there too: the
+    # proposer's programs run where their inputs (the target's features and tokens) are.
+    device = committed_device(binding(model).params)
+    beside = (lambda module: module) if device is None else (
+        lambda module: on_device(module, device))
     if config.method == "draft":
         # Speculation runs on one device: the draft's projections as the target's are.
-        return DraftModelProposer(tile_weights(load_draft(model, config.draft_path)),
+        return DraftModelProposer(beside(tile_weights(load_draft(model, config.draft_path))),
                                   runner_config, ids,
                                   config.draft_confidence)
     if config.method == "self_draft":
         return DraftModelProposer(self_draft(model, config.self_draft_layers), runner_config,
                                   ids, config.draft_confidence)
     if config.method == "eagle":
-        return EagleProposer(load_eagle(model.config, config.eagle_path), model, runner_config,
-                             ids, config.draft_confidence)
+        return EagleProposer(beside(load_eagle(model.config, config.eagle_path)), model,
+                             runner_config, ids, config.draft_confidence)
     raise ValueError(f"no proposer for {config.method!r}")

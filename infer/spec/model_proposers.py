@@ -53,7 +53,7 @@ from infer.cache.page_allocator import SequencePages
 from infer.cache.paged import PagedKVCache
 from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
-from infer.model.binding import binding
+from infer.model.binding import binding, committed_device
 from infer.model.llama import Llama
 from infer.model.programs import PROGRAMS, count_executables
 from infer.sampling import SamplingArrays, draft_keys, draw
@@ -204,14 +204,17 @@ class _ModelProposer:
     feature_layers: tuple[int, ...] = ()  # the EAGLE proposer takes its head's
 
     def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,
-                 head_dim: int, vocab: DraftVocab | None, confidence: float | None) -> None:
+                 head_dim: int, vocab: DraftVocab | None, confidence: float | None,
+                 device: jax.sharding.Sharding | None) -> None:
+        """`device`: where the proposer's weights were put explicitly (its cache goes there
+        too), or None."""
         self.config = config
         self._vocab = vocab  # None: drafts score the whole vocabulary
         self.confidence = confidence  # the chain's stop (`_draft_chain`); None: none
         self.k = config.num_speculative_tokens
         self.cache = PagedKVCache.create(num_layers, config.num_pages, config.page_size,
                                          num_kv_heads, head_dim, "float32",
-                                         config.attention_backend)
+                                         config.attention_backend, device=device)
         self._tracks: dict[str, _Track] = {}
         # Page id -> the key (`_Track.page_keys`) of the tokens whose KV this cache holds in
         # that page, for pages some request's draft filled and nothing has written since.
@@ -422,9 +425,10 @@ class DraftModelProposer(_ModelProposer):
     def __init__(self, draft: Llama, config: "RunnerConfig",
                  vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = draft.config
-        super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
-                         draft_vocab_rows(draft, vocab_ids), confidence)
         bound = binding(draft)
+        device = committed_device(bound.params)  # in the signature: the key covers it
+        super().__init__(config, c.num_layers, c.num_kv_heads, c.head_dim,
+                         draft_vocab_rows(draft, vocab_ids), confidence, device)
         # The programs close over the structure alone (`PROGRAMS` may keep them past this
         # proposer): never over `bound`, which holds the weights.
         bind, self.params = bound.structure.bind, bound.params
@@ -460,8 +464,10 @@ class DraftModelProposer(_ModelProposer):
                 state, cache = run(tokens, cache, meta, last)
                 return _draft_chain(draw_from, feed, state, cache, limits, k, confidence)
 
-            return _ProposerPrograms(jax.jit(forward, donate_argnums=1),
-                                     jax.jit(chain, donate_argnums=2, static_argnums=(8, 9)))
+            placed = {} if device is None else {"in_shardings": device}
+            return _ProposerPrograms(jax.jit(forward, donate_argnums=1, **placed),
+                                     jax.jit(chain, donate_argnums=2, static_argnums=(8, 9),
+                                             **placed))
 
         programs = PROGRAMS.get(("draft", bound.signature, confidence), build)
         self._forward_jit, self._chain_jit = programs.forward, programs.chain
@@ -501,12 +507,13 @@ class EagleProposer(_ModelProposer):
     def __init__(self, head: EagleHead, target: Llama, config: "RunnerConfig",
                  vocab_ids: np.ndarray | None = None, confidence: float | None = None) -> None:
         c = head.config
+        bound = binding(_EagleDraft(head, target))
+        device = committed_device(bound.params)
         super().__init__(config, 1, c.num_kv_heads, c.head_dim, draft_vocab_rows(target, vocab_ids),
-                         confidence)
+                         confidence, device)
         self.catch_up_width = config.num_speculative_tokens + 1
         self.feature_size = head.feature_size
         self.feature_layers = head.feature_layers
-        bound = binding(_EagleDraft(head, target))
         bind, self.params = bound.structure.bind, bound.params  # as the draft model's
         tree_shape = config.tree  # `tree` below is traced only when there is one
         if tree_shape is not None:
@@ -567,9 +574,11 @@ class EagleProposer(_ModelProposer):
                                                          axis=1))
                 return tokens[:, 1:], parents, counts, cache
 
-            return _ProposerPrograms(jax.jit(forward, donate_argnums=1),
-                                     jax.jit(chain, donate_argnums=2, static_argnums=(9, 10)),
-                                     jax.jit(tree, donate_argnums=2))
+            placed = {} if device is None else {"in_shardings": device}
+            return _ProposerPrograms(jax.jit(forward, donate_argnums=1, **placed),
+                                     jax.jit(chain, donate_argnums=2, static_argnums=(9, 10),
+                                             **placed),
+                                     jax.jit(tree, donate_argnums=2, **placed))
 
         programs = PROGRAMS.get(("eagle", bound.signature, confidence, tree_shape), build)
         self._forward_jit, self._chain_jit = programs.forward, programs.chain

@@ -15,13 +15,14 @@ import pytest
 from flax import nnx
 
 from infer.engine.engine import Engine, EngineConfig
-from infer.model.binding import binding
+from infer.model.binding import binding, on_device
 from infer.model.config import get_config
 from infer.model.llama import Llama
 from infer.engine.runner import Runner
 from infer.model.programs import ProgramMemo, count_executables
 from infer.platform import CompileCounter
 from infer.sampling_params import SamplingParams
+from infer.spec.config import SpeculativeConfig
 from tests.engine.test_engine_reference import recompute_greedy
 
 TINY = get_config("tiny")
@@ -112,9 +113,8 @@ def test_weights_placed_otherwise_are_programs_of_their_own(fresh_programs, capl
     so must the signature, or a warmed-up engine's first request compiles unannounced. Host
     (numpy) weights run, as before programs were shared, and give the device weights' tokens."""
     model = Llama(TINY, jnp.float32, nnx.Rngs(1))
-    graphdef, state = nnx.split(model)
-    committed = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
-    signatures = {binding(m).signature for m in (model, committed, _on_host(model))}
+    signatures = {binding(m).signature
+                  for m in (model, on_device(model, _last_device()), _on_host(model))}
     assert len(signatures) == 3
     outputs = []
     for variant in (model, _on_host(model)):
@@ -123,6 +123,35 @@ def test_weights_placed_otherwise_are_programs_of_their_own(fresh_programs, capl
         assert _first_request_compiles(engine, caplog) == (0, 0)
         outputs.append(engine.output("0").token_ids)
     assert outputs[0] == outputs[1] and len(fresh_programs) == 2
+
+
+def _last_device() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[-1])
+
+
+@pytest.mark.parametrize("method", [None, "self_draft", "draft", "eagle"])
+def test_an_engine_runs_where_its_weights_were_put(tiny_weights, caplog, method) -> None:
+    """Weights put on a device explicitly (committed): the engine's caches and its proposer's
+    weights go there, and every step takes its inputs there, host arrays and the last step's
+    committed outputs alike; so after warm-up nothing compiles (a step fed a committed token or
+    cache used to compile a program of its own, unannounced) and tokens are the default
+    device's."""
+    model = Llama(TINY, jnp.float32, nnx.Rngs(4))
+    spec = None if method is None else SpeculativeConfig(
+        method, 2, self_draft_layers=1, draft_path=tiny_weights["draft"],
+        eagle_path=tiny_weights["eagle"])
+    config = dataclasses.replace(SMALL, speculative=spec)
+    placed = Engine(on_device(model, _last_device()), None, config)
+    # Allocated there, not on the default device and moved by the first step.
+    caches = [placed.runner.cache] + ([placed.runner.proposer.cache] if method else [])
+    for leaf in jax.tree.leaves(caches):
+        assert leaf.devices() == {jax.devices()[-1]} and leaf.committed
+    placed.warmup()
+    assert _first_request_compiles(placed, caplog) == (0, 0)
+    engine = Engine(model, None, config)
+    engine.warmup()
+    assert _first_request_compiles(engine, caplog) == (0, 0)
+    assert placed.output("0").token_ids == engine.output("0").token_ids
 
 
 def test_an_interrupted_warmup_leaves_the_rest_to_the_next_engine(fresh_programs, caplog,
