@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from infer.cache.metadata import AttentionMetadata, MixedMetadata
 from infer.model.binding import Binding, Structure, binding, committed_device
 from infer.model.llama import CacheT, Llama
-from infer.model.programs import PROGRAMS, count_executables
+from infer.model.programs import PROGRAMS, count_executables, jit_on
 from infer.model.sharding import replicate
 from infer.sampling import SampleLogprobs, SamplingArrays, sample, sample_logprobs
 from infer.spec.verify import path_tokens, tree_structure, verify_chain, verify_tree
@@ -179,12 +179,11 @@ def _step_programs(structure: Structure[Llama], mesh: jax.sharding.Mesh | None,
         tokens, logprobs = sampled(logits[0], sampling, sample_index)
         return tokens, logprobs, cache
 
-    placed = {} if device is None else {"in_shardings": device}
-    raw = {name: jax.jit(fn, donate_argnums=1, **placed)
+    raw = {name: jit_on(fn, device, donate_argnums=1)
            for name, fn in (("prefill", prefill), ("decode", decode), ("forward", forward),
                             ("verify", verify), ("mixed", mixed))}
     # Speculation runs on one device (the engine refuses it on a mesh), so no placement.
-    raw["tree_verify"] = jax.jit(tree_verify, donate_argnums=1, static_argnums=8, **placed)
+    raw["tree_verify"] = jit_on(tree_verify, device, donate_argnums=1, static_argnums=8)
     placed = {name: fn if name == "tree_verify" else _under_mesh(fn, mesh)
               for name, fn in raw.items()}
     return StepPrograms(**placed, jitted=tuple(raw.values()))

@@ -547,8 +547,9 @@ class Runner:
                 probs, sampling, index)
 
     def _compiled(self, shape: Shape) -> bool:
-        """Whether this runner, or an engine over these weights, ran `shape`'s program."""
-        return shape in self.ready or (shape, self._layout) in self.device_steps.programs.ran
+        """Whether this runner, or an engine over these weights, ran `shape`'s program (what
+        this runner ran, `ready`, is marked there too)."""
+        return (shape, self._layout) in self.device_steps.programs.ran
 
     def _ran(self, shape: Shape) -> None:
         """Marks `shape` run, once its step has returned: its program is compiled."""

@@ -23,6 +23,8 @@ import collections
 import threading
 from typing import Callable, Hashable, Protocol, TypeVar
 
+import jax
+
 
 class ProgramSet(Protocol):
     def executables(self) -> int:
@@ -31,6 +33,15 @@ class ProgramSet(Protocol):
 
 
 P = TypeVar("P", bound=ProgramSet)
+
+
+def jit_on(fn: Callable, device: jax.sharding.Sharding | None, **options) -> Callable:
+    """`jax.jit(fn, **options)`; with `device` (weights put there explicitly,
+    `infer.model.binding.committed_device`) every input is taken there, so host arrays and the
+    last step's committed outputs reach one executable instead of one per mix."""
+    if device is not None:
+        options["in_shardings"] = device
+    return jax.jit(fn, **options)
 
 
 def count_executables(*jitted: Callable) -> int:

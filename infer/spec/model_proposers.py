@@ -55,7 +55,7 @@ from infer.engine.buckets import bucket_for
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.model.binding import binding, committed_device
 from infer.model.llama import Llama
-from infer.model.programs import PROGRAMS, count_executables
+from infer.model.programs import PROGRAMS, count_executables, jit_on
 from infer.sampling import SamplingArrays, draft_keys, draw
 from infer.spec.draft_vocab import DraftVocab, draft_logits, draft_vocab_rows
 from infer.spec.eagle_head import EagleHead
@@ -464,10 +464,9 @@ class DraftModelProposer(_ModelProposer):
                 state, cache = run(tokens, cache, meta, last)
                 return _draft_chain(draw_from, feed, state, cache, limits, k, confidence)
 
-            placed = {} if device is None else {"in_shardings": device}
-            return _ProposerPrograms(jax.jit(forward, donate_argnums=1, **placed),
-                                     jax.jit(chain, donate_argnums=2, static_argnums=(8, 9),
-                                             **placed))
+            return _ProposerPrograms(jit_on(forward, device, donate_argnums=1),
+                                     jit_on(chain, device, donate_argnums=2,
+                                            static_argnums=(8, 9)))
 
         programs = PROGRAMS.get(("draft", bound.signature, confidence), build)
         self._forward_jit, self._chain_jit = programs.forward, programs.chain
@@ -574,11 +573,10 @@ class EagleProposer(_ModelProposer):
                                                          axis=1))
                 return tokens[:, 1:], parents, counts, cache
 
-            placed = {} if device is None else {"in_shardings": device}
-            return _ProposerPrograms(jax.jit(forward, donate_argnums=1, **placed),
-                                     jax.jit(chain, donate_argnums=2, static_argnums=(9, 10),
-                                             **placed),
-                                     jax.jit(tree, donate_argnums=2, **placed))
+            return _ProposerPrograms(jit_on(forward, device, donate_argnums=1),
+                                     jit_on(chain, device, donate_argnums=2,
+                                            static_argnums=(9, 10)),
+                                     jit_on(tree, device, donate_argnums=2))
 
         programs = PROGRAMS.get(("eagle", bound.signature, confidence, tree_shape), build)
         self._forward_jit, self._chain_jit = programs.forward, programs.chain
