@@ -20,7 +20,8 @@ flags.DEFINE_list("models", ["llama-3-8b", "llama-3-70b", "llama-3-405b", "mistr
                   "model presets", flag_values=FLAGS)
 flags.DEFINE_list("kv_formats", ["float16", "float8_e4m3fn", "int4", "int4_kivi"],
                   "KV-cache formats", flag_values=FLAGS)
-flags.DEFINE_integer("gpus", 4, "number of GPUs", flag_values=FLAGS)
+flags.DEFINE_integer("gpus", 4, "GPUs one replica spans by tensor parallelism (heads laid out as "
+                     "the engine places them)", flag_values=FLAGS)
 flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)", flag_values=FLAGS)
 flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAGS)
 flags.DEFINE_float("overhead_fraction", 0.1,
@@ -40,34 +41,45 @@ LLAMA3_70B_BF16_BYTES = 327_680
 
 def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
                weight_dtype: str, overhead_fraction: float, contexts: list[int]) -> dict:
-    """One model × format point; a model whose weights leave no room gets fits=False, 0 users."""
+    """One model × format point; a model whose weights leave no room, or that does not split
+    over the GPUs (its reason in `status`, layout None), gets fits=False, 0 users."""
     import dataclasses
 
-    from infer.cache.budget import (GB, gqa_saving, kv_bytes_per_sequence, kv_bytes_per_token,
-                                    kv_format_name, memory_budget)
+    from infer.cache.budget import (GB, gqa_saving, kv_bytes_per_sequence_per_device,
+                                    kv_bytes_per_token_per_device, kv_format_name,
+                                    memory_budget)
     from infer.model.config import get_config
 
     config = get_config(model)
     name = kv_format_name(kv_format)
-    budget = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=gpus,
-                           weight_dtype=weight_dtype, kv_format=name,
-                           overhead_fraction=overhead_fraction)
-    ideal = kv_bytes_per_token(config, name, include_scales=False)
-    ideal_tokens = max(0, int(budget.kv_bytes_available // ideal))
+    point = {"experiment": "memory_budget", "model": model, "kv_format": name,
+             "format": FORMAT_LABELS.get(name, name), "gpus": gpus,
+             "gpu_memory_gb": gpu_memory_gb, "weight_dtype": weight_dtype,
+             "overhead_fraction": overhead_fraction}
+    try:
+        budget = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=gpus,
+                               weight_dtype=weight_dtype, kv_format=name,
+                               overhead_fraction=overhead_fraction)
+    except ValueError as e:  # the model does not split over this many GPUs
+        return {**point, "fits": False, "layout": None, "status": f"cannot lay out: {e}",
+                **{f"max_users_{ctx}": 0 for ctx in contexts}}
+    # Per device, as the budget counts: each GPU must hold its share of every sequence.
+    ideal = kv_bytes_per_token_per_device(config, gpus, name, include_scales=False)
+    ideal_tokens = max(0, int(budget.device_kv_bytes_available // ideal))
     # Full multi-head attention would keep one KV head per query head (and, for int4_kivi, one
     # window per head per sequence): the same budget's arithmetic with those sizes.
     wide = config.replace(num_kv_heads=config.num_heads)
-    mha = kv_bytes_per_token(wide, name)
-    mha_budget = dataclasses.replace(budget, kv_bytes_per_token=mha,
-                                     kv_bytes_per_sequence=kv_bytes_per_sequence(wide, name))
+    mha_budget = dataclasses.replace(
+        budget, device_kv_bytes_per_token=kv_bytes_per_token_per_device(wide, gpus, name),
+        device_kv_bytes_per_sequence=kv_bytes_per_sequence_per_device(wide, gpus, name))
     usable = budget.gpu_memory_bytes - budget.overhead_bytes
     row = {
-        "experiment": "memory_budget", "model": model, "kv_format": name,
-        "format": FORMAT_LABELS.get(name, name), "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
-        "weight_dtype": weight_dtype, "overhead_fraction": overhead_fraction,
-        "kv_bytes_per_token": budget.kv_bytes_per_token, "kv_bytes_per_token_ideal": ideal,
+        **point, "layout": budget.layout,
+        "kv_bytes_per_token": budget.kv_bytes_per_token,
+        "kv_bytes_per_token_ideal": ideal * gpus,
         "kv_bytes_per_sequence": budget.kv_bytes_per_sequence,
-        "mha_kv_bytes_per_token": mha, "gqa_saving": gqa_saving(config),
+        "mha_kv_bytes_per_token": mha_budget.kv_bytes_per_token,
+        "gqa_saving": gqa_saving(config),
         "weight_gb": budget.weight_bytes / GB, "usable_gb": usable / GB,
         "kv_gb_available": max(0.0, budget.kv_bytes_available) / GB,
         "fits": budget.fits, "max_cached_tokens": budget.max_cached_tokens,
@@ -98,9 +110,10 @@ def run(*, models: list[str], kv_formats: list[str], gpus: int, gpu_memory_gb: f
                          **common},
                         lambda model=model, fmt=fmt: budget_row(model, fmt, **common))
     rows = log.rows()
-    print(f"\n{gpus}×{gpu_memory_gb:g} GB, {weight_dtype} weights, "
-          f"{overhead_fraction:.0%} reserved for activations\n")
-    columns = [("model", "model"), ("format", "KV"), ("kv_bytes_per_token", "B/token"),
+    print(f"\n{gpus}×{gpu_memory_gb:g} GB, one replica tensor-parallel over all, {weight_dtype} "
+          f"weights, {overhead_fraction:.0%} reserved for activations\n")
+    columns = [("model", "model"), ("format", "KV"), ("layout", "heads"),
+               ("kv_bytes_per_token", "B/token"),
                ("kv_bytes_per_token_ideal", "ideal B/token"), ("gqa_saving", "GQA ×"),
                ("weight_gb", "weights GB"), ("kv_gb_available", "KV GB"),
                ("max_cached_tokens", "max tokens")]
@@ -122,6 +135,8 @@ def exercise_answers(common: dict) -> str:
     by_fmt = {f: budget_row("llama-3-70b", f, **common)
               for f in ("float16", "float8_e4m3fn", "int4")}
     fp16, int4 = by_fmt["float16"], by_fmt["int4"]
+    if fp16["layout"] is None:
+        return f"\nExercise 1: Llama-3-70B on {common['gpus']} GPUs: {fp16['status']}"
     lines = [f"\nExercise 1: Llama-3-70B, {common['gpus']}×{common['gpu_memory_gb']:g} GB, "
              f"context {ctx}, {fp16['kv_gb_available']:.1f} GB for KV"]
     for row in by_fmt.values():
@@ -165,8 +180,10 @@ def plot_users(rows: list[dict], path: str, ctx: int) -> None:
         bars = ax.bar(x + (i - (len(formats) - 1) / 2) * width, users, width, label=fmt)
         ax.bar_label(bars, fontsize=7)
     for j, m in enumerate(models):
-        if not any(r["fits"] for r in rows if r["model"] == m):
-            ax.annotate("weights do not fit", (j, 0), xytext=(0, 12), textcoords="offset points",
+        mine = [r for r in rows if r["model"] == m]
+        if not any(r["fits"] for r in mine):
+            why = "no layout" if all(r.get("layout") is None for r in mine) else "weights do not fit"
+            ax.annotate(why, (j, 0), xytext=(0, 12), textcoords="offset points",
                         ha="center", fontsize=8, color="red")
     r0 = rows[0]
     ax.set_xticks(x, models)

@@ -27,9 +27,8 @@ Analytic rows (one per model x TP x DP x KV format, no weights loaded):
   users      per replica: each GPU of --gpu_memory_gb keeps --overhead_fraction for activations
              (budget.py's reserve), holds its weights, and the rest holds its 1/TP of every
              token's KV: `MemoryBudget` on per-device figures, max_users(--context). In all:
-             DP times that, on TP * DP GPUs. `budget_py_users` is budget.py's own whole-replica
-             `memory_budget(config, num_gpus=TP)`, which knows no layout: it overstates replicated
-             and padded layouts.
+             DP times that, on TP * DP GPUs. The arithmetic of weights, KV and users is
+             budget.py's (`memory_budget(config, num_gpus=TP)` and the per-device functions).
 
 Measured rows (--measure, points "model:TP:DP:kv_format" on this host's devices; on CPU
 --virtual_devices virtual ones): the model with zero weights (the counts do not depend on the
@@ -105,50 +104,6 @@ def model_config(name: str) -> Any:
     return get_config(name)
 
 
-def laid_out(config: Any, tensor_parallel: int) -> tuple[Any, Any]:
-    """(layout, the config with its heads laid out) for TP devices, padding where nothing else
-    splits; ValueError (head_layout's) when the FFN or the vocabulary does not split."""
-    from infer.parallel.heads import head_layout
-
-    layout = head_layout(config, tensor_parallel, pad_heads=True)
-    return layout, config.replace(num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
-
-
-def norm_bytes(config: Any, weight_dtype: str) -> int:
-    """The RMSNorm scales: two per layer and the final one, whole on every device."""
-    from infer.cache.budget import dtype_bits
-
-    # In bits, as weight_bytes counts the total they are taken from (int4: half a byte each).
-    return -(-(2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) // 8)
-
-
-def weight_bytes_per_device(config: Any, tensor_parallel: int, weight_dtype: str) -> int:
-    """Weight bytes each device of a replica holds (config already laid out)."""
-    from infer.cache.budget import weight_bytes
-
-    whole = norm_bytes(config, weight_dtype)
-    sharded = weight_bytes(config, weight_dtype) - whole
-    if sharded % tensor_parallel:
-        raise ValueError(f"{config.name}: {sharded} sharded bytes do not split over "
-                         f"{tensor_parallel} devices")
-    return sharded // tensor_parallel + whole
-
-
-def kv_bytes_per_token_per_device(config: Any, tensor_parallel: int, kv_format: str,
-                                  page_size: int | None = None) -> int:
-    """KV bytes (with scales) one token takes on each device (config already laid out); an
-    int4_kivi token's at pages of `page_size` (its key codes are per page), budget.py's page
-    when None."""
-    from infer.cache.budget import KIVI_PAGE_SIZE, kv_bytes_per_token
-
-    total = kv_bytes_per_token(config, kv_format,
-                               page_size=KIVI_PAGE_SIZE if page_size is None else page_size)
-    if total % tensor_parallel:
-        raise ValueError(f"{config.name}: {total} KV bytes per token do not split over "
-                         f"{tensor_parallel} devices")
-    return total // tensor_parallel
-
-
 def step_collectives(config: Any, tensor_parallel: int, batch: int) -> dict[str, int]:
     """Counts and result bytes per device of one decode step of `batch` rows (module docstring),
     and the bytes each device sends under ring algorithms."""
@@ -167,8 +122,7 @@ def analytic_row(model: str, tensor_parallel: int, data_parallel: int, kv_format
                  context: int, batch: int) -> dict[str, Any]:
     """One analytic point; a TP that cannot be laid out gets its reason in `status` and no
     figures."""
-    from infer.cache.budget import (GB, MemoryBudget, kv_bytes_per_sequence, kv_format_name,
-                                    memory_budget)
+    from infer.cache.budget import GB, kv_format_name, laid_out, memory_budget, norm_bytes
 
     config = model_config(model)
     fmt = kv_format_name(kv_format)
@@ -178,17 +132,10 @@ def analytic_row(model: str, tensor_parallel: int, data_parallel: int, kv_format
         layout, wide = laid_out(config, t)
     except ValueError as e:
         return {**row, "layout": None, "status": f"cannot lay out: {e}"}
-    w_dev = weight_bytes_per_device(wide, t, weight_dtype)
-    kv_dev = kv_bytes_per_token_per_device(wide, t, fmt)
-    gpu = gpu_memory_gb * GB
-    # MemoryBudget's arithmetic on one device: its share of the weights, of each token's KV and
-    # of what each sequence holds beside its pages (int4_kivi's window, split by KV head).
-    device = MemoryBudget(model=model, kv_format=fmt, gpu_memory_bytes=gpu, weight_bytes=w_dev,
-                          overhead_bytes=overhead_fraction * gpu, kv_bytes_per_token=kv_dev,
-                          kv_bytes_per_sequence=kv_bytes_per_sequence(wide, fmt) // t)
-    whole = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=t,
-                          weight_dtype=weight_dtype, kv_format=fmt,
-                          overhead_fraction=overhead_fraction)
+    device = memory_budget(config, gpu_memory_gb=gpu_memory_gb, num_gpus=t,
+                           weight_dtype=weight_dtype, kv_format=fmt,
+                           overhead_fraction=overhead_fraction)
+    w_dev, kv_dev = device.device_weight_bytes, device.device_kv_bytes_per_token
     per_row, at_batch = step_collectives(config, t, 1), step_collectives(config, t, batch)
     users = device.max_users(context)
     row.update({
@@ -197,10 +144,9 @@ def analytic_row(model: str, tensor_parallel: int, data_parallel: int, kv_format
         "weight_bytes_per_device": w_dev, "weight_gb_per_device": w_dev / GB,
         "norm_bytes_per_device": norm_bytes(config, weight_dtype),
         "kv_bytes_per_token_per_device": kv_dev,
-        "kv_gb_per_device": max(0.0, device.kv_bytes_available) / GB,
+        "kv_gb_per_device": max(0.0, device.device_kv_bytes_available) / GB,
         "max_tokens_per_replica": device.max_cached_tokens,
         "max_users_per_replica": users, "max_users": dp * users,
-        "budget_py_users_per_replica": whole.max_users(context),
         "all_reduces": per_row["all_reduces"], "all_gathers": per_row["all_gathers"],
         "comm_bytes_per_row": per_row["all_reduce_bytes"] + per_row["all_gather_bytes"],
         "wire_bytes_per_row": per_row["wire_bytes"],
@@ -238,7 +184,8 @@ def measure_point(model: str, tensor_parallel: int, data_parallel: int, kv_forma
     import jax.numpy as jnp
     from flax import nnx
 
-    from infer.cache.budget import kv_format_name
+    from infer.cache.budget import (kv_bytes_per_token_per_device, kv_format_name, laid_out,
+                                    weight_bytes_per_device)
     from infer.cache.paged import PagedKVCache, window_slots
     from infer.engine.runner import Runner, RunnerConfig, Shape
     from infer.model.llama import Llama
@@ -275,9 +222,9 @@ def measure_point(model: str, tensor_parallel: int, data_parallel: int, kv_forma
     replicas = place_replicas(Llama(config, dtype, None), parallel)
     # The pools measured below have the runner's pages: an int4_kivi token is counted at them.
     analytic: dict[str, Any] = {
-        "weight_bytes_per_device": weight_bytes_per_device(wide, t, weight_dtype),
+        "weight_bytes_per_device": weight_bytes_per_device(config, t, weight_dtype),
         **{f"kv_bytes_per_token_per_device_{f}": kv_bytes_per_token_per_device(
-            wide, t, f, page_size=MEASURED_PAGE_SIZE) for f in formats}}
+            config, t, f, page_size=MEASURED_PAGE_SIZE) for f in formats}}
     found: dict[str, Any] = {}
     problems = []
     devices_seen: set = set()
@@ -383,8 +330,7 @@ def run(*, models: list[str], tensor_parallel: list[int], data_parallel: list[in
                ("all_reduces", "all-reduces"), ("all_gathers", "all-gathers"),
                ("comm_mb_at_batch", f"comm MB@{batch}"),
                ("max_users_per_replica", f"users@{context}/replica"),
-               ("max_users", f"users@{context}"),
-               ("budget_py_users_per_replica", "budget.py users/replica"), ("status", "status")]
+               ("max_users", f"users@{context}"), ("status", "status")]
     print(markdown_table(analytic, columns))
     if measured:
         print(f"\nMeasured on {measured[0]['env']['num_devices']} {measured[0]['env']['backend']}"
@@ -439,8 +385,7 @@ def lesson_summary(*, weight_dtype: str, gpu_memory_gb: float, overhead_fraction
         lines.append(
             f"  KV {fmt:9s} weights {r['weight_gb_per_device']:.2f} GB/GPU, KV "
             f"{r['kv_bytes_per_token_per_device']:,} B/token/GPU, {r['kv_gb_per_device']:.1f} "
-            f"GB/GPU for KV -> {r['max_users_per_replica']} users "
-            f"(budget.py over 4 GPUs: {r['budget_py_users_per_replica']})")
+            f"GB/GPU for KV -> {r['max_users_per_replica']} users")
     r = analytic_row(model, t, 1, "bfloat16", **common)
     lines.append(f"  per decode step: {r['all_reduces']} all-reduces + {r['all_gathers']} "
                  f"all-gather, {r['comm_bytes_per_row'] / 1e6:.2f} MB per row per device "

@@ -1,15 +1,20 @@
 """KV-cache memory accounting for real model configs: bytes per token, GQA saving, and how many
-tokens and users fit beside the weights on a set of GPUs."""
+tokens and users fit beside the weights on a set of GPUs, per device as tensor parallelism lays
+the heads out."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
 from infer.cache import kivi
 from infer.model.config import LlamaConfig
 from kernels_pallas.kv_quant import KV_FORMAT_ALIASES, bytes_per_token_per_head, resolve_kv_format
+
+if TYPE_CHECKING:
+    from infer.parallel.heads import HeadLayout
 
 GB = 1e9  # GPU memory is sold in decimal gigabytes (A100-80GB: 80e9 bytes)
 
@@ -56,49 +61,142 @@ def weight_bytes(config: LlamaConfig, weight_dtype: str = "bfloat16") -> int:
     return -(-config.num_params * dtype_bits(weight_dtype) // 8)
 
 
+def laid_out(config: LlamaConfig, tensor_parallel: int = 1
+             ) -> tuple["HeadLayout", LlamaConfig]:
+    """(layout, the config with its heads laid out) over T tensor-parallel devices, as
+    `infer.parallel.heads` places them: split, replicate or, where nothing else splits, pad
+    (`pad_heads`). ValueError (head_layout's) when the FFN or the vocabulary does not split.
+    Idempotent: a laid-out config lays out as itself."""
+    from infer.parallel.heads import head_layout
+
+    layout = head_layout(config, tensor_parallel, pad_heads=True)
+    return layout, config.replace(num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+
+
+def norm_bytes(config: LlamaConfig, weight_dtype: str = "bfloat16") -> int:
+    """The RMSNorm scales: two per layer and the final one, whole on every device."""
+    # In bits, as weight_bytes counts the total they are taken from (int4: half a byte each).
+    return -(-(2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) // 8)
+
+
+def weight_bytes_per_device(config: LlamaConfig, tensor_parallel: int = 1,
+                            weight_dtype: str = "bfloat16") -> int:
+    """Weight bytes each of a replica's T devices holds: the laid-out model's (replicated or
+    zero heads included) split T ways, but for the RMSNorm scales, which every device holds."""
+    _, wide = laid_out(config, tensor_parallel)
+    whole = norm_bytes(wide, weight_dtype)
+    sharded = weight_bytes(wide, weight_dtype) - whole
+    if sharded % tensor_parallel:
+        raise ValueError(f"{config.name}: {sharded} sharded bytes do not split over "
+                         f"{tensor_parallel} devices")
+    return sharded // tensor_parallel + whole
+
+
+def kv_bytes_per_token_per_device(config: LlamaConfig, tensor_parallel: int = 1,
+                                  kv_format: str = "bfloat16", include_scales: bool = True,
+                                  page_size: int = KIVI_PAGE_SIZE) -> int:
+    """KV bytes one token takes on each of T devices: pages split on KV heads, counted after the
+    head layout (a replicated or zero KV head costs as much as a real one)."""
+    _, wide = laid_out(config, tensor_parallel)
+    total = kv_bytes_per_token(wide, kv_format, include_scales=include_scales,
+                               page_size=page_size)
+    if total % tensor_parallel:
+        raise ValueError(f"{config.name}: {total} KV bytes per token do not split over "
+                         f"{tensor_parallel} devices")
+    return total // tensor_parallel
+
+
+def kv_bytes_per_sequence_per_device(config: LlamaConfig, tensor_parallel: int = 1,
+                                     kv_format: str = "bfloat16",
+                                     page_size: int = KIVI_PAGE_SIZE) -> int:
+    """`kv_bytes_per_sequence` on each of T devices (int4_kivi's window, split by KV head)."""
+    _, wide = laid_out(config, tensor_parallel)
+    return kv_bytes_per_sequence(wide, kv_format, page_size) // tensor_parallel
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
+    """What a replica's KV cache can hold. The arithmetic is per device: each of a
+    tensor-parallel replica's `devices` holds its share of the weights and of every token's KV,
+    and a sequence fits only if its share fits on each. The replica's totals (`weight_bytes`,
+    `kv_bytes_per_token`, ...) are `devices` times a device's."""
+
     model: str
     kv_format: str
-    gpu_memory_bytes: float  # all GPUs together
-    weight_bytes: float
-    overhead_bytes: float  # activations, workspace, fragmentation reserve
-    kv_bytes_per_token: int
-    kv_bytes_per_sequence: int = 0  # held per sequence whatever its length (int4_kivi's window)
+    device_memory_bytes: float
+    device_weight_bytes: float
+    device_overhead_bytes: float  # activations, workspace, fragmentation reserve
+    device_kv_bytes_per_token: int
+    device_kv_bytes_per_sequence: int = 0  # held whatever the length (int4_kivi's window)
+    devices: int = 1
+    layout: str = "split"  # how the heads split over the devices (infer.parallel.heads)
+
+    @property
+    def device_kv_bytes_available(self) -> float:
+        return self.device_memory_bytes - self.device_weight_bytes - self.device_overhead_bytes
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return self.devices * self.device_memory_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.devices * self.device_weight_bytes
+
+    @property
+    def overhead_bytes(self) -> float:
+        return self.devices * self.device_overhead_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.devices * self.device_kv_bytes_per_token
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return self.devices * self.device_kv_bytes_per_sequence
 
     @property
     def kv_bytes_available(self) -> float:
-        return self.gpu_memory_bytes - self.weight_bytes - self.overhead_bytes
+        return self.devices * self.device_kv_bytes_available
 
     @property
     def fits(self) -> bool:
-        return self.kv_bytes_available > 0
+        return self.device_kv_bytes_available > 0
 
     @property
     def max_cached_tokens(self) -> int:
-        return max(0, int(self.kv_bytes_available // self.kv_bytes_per_token))
+        return max(0, int(self.device_kv_bytes_available // self.device_kv_bytes_per_token))
 
     def max_users(self, context_len: int) -> int:
         """Concurrent sequences of `context_len` tokens whose KV fits."""
         if context_len <= 0:
             raise ValueError(f"context_len must be positive, got {context_len}")
-        each = context_len * self.kv_bytes_per_token + self.kv_bytes_per_sequence
-        return max(0, int(self.kv_bytes_available // each))
+        each = context_len * self.device_kv_bytes_per_token + self.device_kv_bytes_per_sequence
+        return max(0, int(self.device_kv_bytes_available // each))
 
 
 def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 1,
                   weight_dtype: str = "bfloat16", kv_format: str = "bfloat16",
                   overhead_fraction: float = 0.1) -> MemoryBudget:
-    """What is left for the KV cache once the weights and a reserve (a fraction of GPU memory)
-    are set aside, in the manner of vLLM's gpu_memory_utilization."""
+    """What is left for the KV cache of one replica tensor-parallel over `num_gpus` GPUs, once
+    each GPU's weights and a reserve (a fraction of its memory, in the manner of vLLM's
+    gpu_memory_utilization) are set aside. The heads are laid out as the engine places them:
+    KV heads replicated or padded to split over the GPUs cost memory here too. ValueError when
+    the model does not split over `num_gpus`."""
     if not 0 <= overhead_fraction < 1:
         raise ValueError(f"overhead_fraction must be in [0, 1), got {overhead_fraction}")
-    total = gpu_memory_gb * GB * num_gpus
-    return MemoryBudget(model=config.name, kv_format=kv_format_name(kv_format),
-                        gpu_memory_bytes=total, weight_bytes=weight_bytes(config, weight_dtype),
-                        overhead_bytes=overhead_fraction * total,
-                        kv_bytes_per_token=kv_bytes_per_token(config, kv_format),
-                        kv_bytes_per_sequence=kv_bytes_per_sequence(config, kv_format))
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
+    name = kv_format_name(kv_format)
+    layout, _ = laid_out(config, num_gpus)
+    memory = gpu_memory_gb * GB
+    return MemoryBudget(
+        model=config.name, kv_format=name, device_memory_bytes=memory,
+        device_weight_bytes=weight_bytes_per_device(config, num_gpus, weight_dtype),
+        device_overhead_bytes=overhead_fraction * memory,
+        device_kv_bytes_per_token=kv_bytes_per_token_per_device(config, num_gpus, name),
+        device_kv_bytes_per_sequence=kv_bytes_per_sequence_per_device(config, num_gpus, name),
+        devices=num_gpus, layout=layout.way)
 
 
 def kv_bytes_per_sequence(config: LlamaConfig, kv_format: str,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 
-from infer.cache.budget import gqa_saving, kv_bytes_per_token, memory_budget, weight_bytes
-from infer.model.config import get_config
+from infer.cache.budget import (gqa_saving, kv_bytes_per_sequence, kv_bytes_per_token,
+                                laid_out, memory_budget, norm_bytes, weight_bytes,
+                                weight_bytes_per_device)
+from infer.model.config import PRESETS, get_config
 
 L70, K70, D70 = 80, 8, 128  # Llama-3-70B: layers, KV heads, head dim
 
@@ -45,13 +50,18 @@ def test_memory_budget_arithmetic_on_a_tiny_model():
     assert weight_bytes(config, "int4") == params // 2  # two to a byte, not one
     b = memory_budget(config, gpu_memory_gb=0.25, num_gpus=2, weight_dtype="float32",
                       kv_format="float16", overhead_fraction=0.1)
-    total = 2 * 0.25e9  # 500,000,000 bytes
-    available = total - 0.1 * total - 4 * params  # 449,572,736
-    assert b.kv_bytes_available == available == 449_572_736
-    assert b.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 256  # K,V * layers * heads * D * 2 B
-    assert b.max_cached_tokens == 449_572_736 // 256 == 1_756_143
-    assert b.max_users(4096) == 428  # 1,756,143 / 4096 = 428.7
-    assert b.max_users(1) == 1_756_143
+    # Each GPU: 250,000,000 bytes, 10% reserved, half of the weights but the RMSNorm scales
+    # (2 layers * 2 + 1 of 64 float32s), which both hold whole.
+    norms = 5 * 64 * 4
+    assert b.layout == "split" and b.devices == 2
+    assert b.device_weight_bytes == (4 * params - norms) // 2 + norms == 214_272
+    assert b.device_kv_bytes_available == 0.25e9 - 0.025e9 - 214_272 == 224_785_728
+    assert b.kv_bytes_available == 2 * 224_785_728
+    # K,V * layers * heads * D * 2 B, one KV head of the two on each GPU
+    assert b.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 2 * b.device_kv_bytes_per_token == 256
+    assert b.max_cached_tokens == 224_785_728 // 128 == 1_756_138
+    assert b.max_users(4096) == 428  # 1,756,138 / 4096 = 428.7
+    assert b.max_users(1) == 1_756_138
     assert b.fits
     with pytest.raises(ValueError, match="context_len"):
         b.max_users(0)
@@ -108,3 +118,89 @@ def test_the_mha_comparison_holds_each_sequences_window_too():
     kivi = budget_row("llama-3-8b", "int4_kivi", **kw)
     without_window = int(kivi["kv_gb_available"] * 1e9 // kivi["mha_kv_bytes_per_token"]) // 4096
     assert 0 < kivi["max_users_mha_4096"] < without_window
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "fp8", "int8", "int4"])
+def test_norms_are_counted_in_the_weights_own_bits(weight_dtype: str) -> None:
+    """The norms every device holds whole are taken out of weight_bytes, which counts each
+    parameter at the dtype's bits (int4: half a byte, not numpy's itemsize of 1), so they are
+    counted in the same bits: the devices of a replica then hold the replica's weights, the
+    norms once more on each device but the first."""
+    from infer.cache.budget import dtype_bits
+
+    for model in ("llama-3-70b", "llama-3-8b", "smollm2-135m"):
+        config = get_config(model)
+        norms = (2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) / 8
+        assert norm_bytes(config, weight_dtype) == norms
+        for tp in (1, 2, 4):
+            _, wide = laid_out(config, tp)
+            per_device = weight_bytes_per_device(config, tp, weight_dtype)
+            assert per_device * tp - (tp - 1) * norms == weight_bytes(wide, weight_dtype)
+
+
+def test_replicated_kv_heads_cost_each_gpu_a_whole_head():
+    """Llama-3-70B over 16 GPUs: 8 KV heads do not split 16 ways, so each is held twice, one
+    on each GPU beside its 4 query heads: a token costs each GPU 2 * 80 * 128 * 2 bytes, twice
+    the pooled 327,680 / 16, and half the users a pooled count gives."""
+    config = get_config("llama-3-70b")
+    b = memory_budget(config, gpu_memory_gb=80, num_gpus=16)
+    assert b.layout == "replicate"
+    assert b.device_kv_bytes_per_token == 2 * 80 * 128 * 2 == 2 * 327_680 // 16
+    pooled = b.kv_bytes_available // (4096 * 327_680)
+    assert b.max_users(4096) == b.device_kv_bytes_available // (4096 * 40_960) < pooled // 1.9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_counts_the_heads_as_laid_out(seed: int):
+    """Random presets, GPU counts and formats: a layout the engine would refuse is refused
+    here; otherwise each GPU's KV per token is the laid-out model's over the GPUs (replicated or
+    zero heads included), its weights a 1/T share but the norms, and its users the most whose
+    share fits on it."""
+    from infer.parallel.heads import head_layout
+
+    rng = random.Random(seed)
+    formats = ["bfloat16", "fp8", "int8", "int4", "int4_kivi"]
+    for _ in range(40):
+        config = PRESETS[rng.choice(sorted(PRESETS))]
+        t, fmt = rng.choice([1, 2, 3, 4, 6, 8, 12, 16]), rng.choice(formats)
+        if fmt == "int4_kivi" and config.head_dim % 32:  # its pages of 32 channels
+            continue
+        kw = dict(gpu_memory_gb=rng.choice([16, 24, 80, 141]), num_gpus=t, kv_format=fmt,
+                  weight_dtype=rng.choice(["bfloat16", "int4"]))
+        try:
+            layout = head_layout(config, t, pad_heads=True)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e)[:40])):
+                memory_budget(config, **kw)
+            continue
+        b = memory_budget(config, **kw)
+        wide = config.replace(num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+        assert b.layout == layout.way
+        assert b.device_kv_bytes_per_token * t == kv_bytes_per_token(wide, fmt)
+        assert (b.device_kv_bytes_per_token * t * config.num_kv_heads
+                == kv_bytes_per_token(config, fmt) * layout.num_kv_heads)
+        assert b.device_kv_bytes_per_sequence * t == kv_bytes_per_sequence(wide, fmt)
+        norms = norm_bytes(config, kw["weight_dtype"])
+        assert b.device_weight_bytes * t - (t - 1) * norms == weight_bytes(wide, kw["weight_dtype"])
+        context = rng.choice([512, 4096, 32768])
+        users = b.max_users(context)
+        each = context * b.device_kv_bytes_per_token + b.device_kv_bytes_per_sequence
+        assert users * each <= max(0, b.device_kv_bytes_available) < (users + 1) * each
+
+
+def test_the_experiment_reports_a_model_that_does_not_split(tmp_path, capsys):
+    """`experiments.memory_budget` over 3 GPUs: Llama-3-8B's FFN (14,336) does not split 3
+    ways, so its row says why and counts no users; SmolLM2 (9 / 3 heads) splits."""
+    from experiments.memory_budget import run
+
+    rows = run(models=["llama-3-8b", "smollm2-135m"], kv_formats=["bfloat16"], gpus=3,
+               gpu_memory_gb=24.0, weight_dtype="bfloat16", overhead_fraction=0.1,
+               contexts=[4096], out=str(tmp_path / "budget.jsonl"))
+    by_model = {r["model"]: r for r in rows}
+    llama = by_model["llama-3-8b"]
+    assert llama["layout"] is None and not llama["fits"] and llama["max_users_4096"] == 0
+    assert "intermediate_size 14336" in llama["status"]
+    smol = by_model["smollm2-135m"]
+    expected = memory_budget(get_config("smollm2-135m"), gpu_memory_gb=24.0, num_gpus=3)
+    assert smol["layout"] == "split" and smol["max_users_4096"] == expected.max_users(4096) > 0
+    assert "cannot lay out" in capsys.readouterr().out

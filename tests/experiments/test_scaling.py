@@ -57,8 +57,6 @@ def test_kv_per_device_and_users(result):
     assert by_format["bfloat16"]["kv_bytes_per_token_per_device"] == 327_680 // 4
     for f, r in by_format.items():
         assert r["kv_bytes_per_token_per_device"] * 4 == kv_bytes_per_token(config, f)
-        # a split layout: budget.py's whole-replica view gives the same users
-        assert r["max_users_per_replica"] == r["budget_py_users_per_replica"]
     users = [by_format[f]["max_users"] for f in ("bfloat16", "int8", "int4")]
     assert 0 < users[0] < users[1] < users[2]
     assert _row(rows, "llama-3-70b", 4, dp=2)["max_users"] == 2 * users[0]
@@ -68,21 +66,26 @@ def test_kv_per_device_and_users(result):
 
 def test_a_kivi_window_counts_on_each_device() -> None:
     """int4_kivi holds a bfloat16 window per sequence beside its pages; a split layout's device
-    holds its heads' share of it, so both views again give the same users."""
+    holds its heads' share of it, which its users count."""
     row = scaling.analytic_row("llama-3-70b", 4, 1, "int4_kivi", weight_dtype="bfloat16",
                                gpu_memory_gb=80.0, overhead_fraction=0.1, context=4096,
                                batch=64)
     assert row["layout"] == "split" and row["max_users_per_replica"] > 0
-    assert row["max_users_per_replica"] == row["budget_py_users_per_replica"]
+    per_token = row["kv_bytes_per_token_per_device"]
+    window = 80 * 8 * 2 * 2 * 32 * 128 * 2 // 4  # two bfloat16 pages of K and V per head, /TP
+    available = row["kv_gb_per_device"] * 1e9
+    assert row["max_users_per_replica"] == int(available // (4096 * per_token + window))
+    assert row["max_users_per_replica"] < int(available // (4096 * per_token))
 
 
-def test_padding_costs_kv_memory_that_budget_py_does_not_see(result):
+def test_padding_costs_kv_memory(result):
     rows, _, _ = result
     smol = get_config("smollm2-135m")
     padded = _row(rows, "smollm2-135m", 4)
     assert (padded["layout"], padded["heads"]) == ("pad", "12/4")
     assert padded["kv_bytes_per_token_per_device"] * 4 == kv_bytes_per_token(smol) * 4 // 3
-    assert padded["max_users_per_replica"] < padded["budget_py_users_per_replica"]
+    split = _row(rows, "smollm2-135m", 3)
+    assert padded["max_users_per_replica"] < split["max_users_per_replica"] * 4 // 3
     assert _row(rows, "smollm2-135m", 3)["layout"] == "split"
 
 
@@ -150,21 +153,3 @@ def test_int4_kivi_pools_are_measured_and_counted_at_the_runners_pages():
     expected = config.num_layers * config.num_kv_heads * per_head // 2  # split over 2 devices
     assert row["analytic"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
     assert row["measured"]["kv_bytes_per_token_per_device_int4_kivi"] == expected
-
-
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "fp8", "int8", "int4"])
-def test_norms_are_counted_in_the_weights_own_bits(weight_dtype: str) -> None:
-    """The norms every device holds whole are taken out of weight_bytes, which counts each
-    parameter at the dtype's bits (int4: half a byte, not numpy's itemsize of 1), so they are
-    counted in the same bits: the devices of a replica then hold the replica's weights, the
-    norms once more on each device but the first."""
-    from infer.cache.budget import dtype_bits
-
-    for model in ("llama-3-70b", "llama-3-8b", "smollm2-135m"):
-        config = get_config(model)
-        norms = (2 * config.num_layers + 1) * config.hidden_size * dtype_bits(weight_dtype) / 8
-        assert scaling.norm_bytes(config, weight_dtype) == norms
-        for tp in (1, 2, 4):
-            _, wide = scaling.laid_out(config, tp)
-            per_device = scaling.weight_bytes_per_device(wide, tp, weight_dtype)
-            assert per_device * tp - (tp - 1) * norms == weight_bytes(wide, weight_dtype)
