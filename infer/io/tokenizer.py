@@ -355,15 +355,21 @@ class IncrementalDetokenizer:
     Each `step` re-decodes only a short window: the ids since the last emitted piece plus the
     piece before it as context (so decoders that treat the first token specially, like
     SentencePiece's leading space, behave as in a full decode). Text that ends in an incomplete
-    UTF-8 character decodes to U+FFFD; it is held back until the character completes.
+    UTF-8 character decodes to U+FFFD; it is held back until the character completes. Ids that
+    decode to nothing wherever they stand (special tokens when skipped, the model's padded ids
+    past the vocabulary) never enter the window: a run of them, which a model at a high
+    temperature or under ignore_eos can emit by the hundred, would otherwise grow it, and every
+    step would decode the whole run again.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._prefix = 0  # start of the context window
-        self._read = 0    # ids before this index are already emitted as text
-        self._seen = 0
+        self._vocab_size = tokenizer.vocab_size
+        self._ids: list[int] = []  # the ids seen that can decode to text
+        self._prefix = 0  # start of the context window in _ids
+        self._read = 0    # _ids before this index are already emitted as text
+        self._seen = 0    # ids of the running list taken in
         self._text: list[str] = []
 
     @property
@@ -377,25 +383,31 @@ class IncrementalDetokenizer:
         With final=True everything left is emitted, incomplete characters included, so the
         concatenated pieces equal `decode(ids)`.
         """
-        if len(ids) < self._seen:
-            raise ValueError(f"ids shrank from {self._seen} to {len(ids)}; pass the running list")
+        self._ids += self._new_text_ids(ids)
         self._seen = len(ids)
-        piece = self._piece(ids, final)
+        piece = self._piece(self._ids, final)
         if piece is None:
             return ""
-        self._prefix, self._read = self._read, len(ids)
+        self._prefix, self._read = self._read, len(self._ids)
         self._text.append(piece)
         return piece
 
     def peek(self, ids: Sequence[int]) -> str:
         """What `step(ids, final=True)` would emit, without emitting it: the held-back text
         and the new ids' text. The next `step` goes on as if this was not called."""
+        return self._piece(self._ids + self._new_text_ids(ids), final=True) or ""
+
+    def _new_text_ids(self, ids: Sequence[int]) -> list[int]:
+        """The ids past those taken in, less those that decode to nothing. Any other id, a bad
+        one included, is kept for `decode` to judge (and refuse)."""
         if len(ids) < self._seen:
             raise ValueError(f"ids shrank from {self._seen} to {len(ids)}; pass the running list")
-        return self._piece(ids, final=True) or ""
+        special, vocab, padded = self._skip, self._vocab_size, self._tokenizer.num_ids
+        return [i for i in map(operator.index, ids[self._seen:])
+                if not (vocab <= i < padded or (special and self._tokenizer.is_special(i)))]
 
     def _piece(self, ids: Sequence[int], final: bool) -> str | None:
-        """The text `ids` add to what was emitted; None: nothing to emit yet."""
+        """The text `ids` (the window's list) add to what was emitted; None: nothing yet."""
         decode = functools.partial(self._tokenizer.decode, skip_special_tokens=self._skip)
         before = decode(ids[self._prefix:self._read])
         full = decode(ids[self._prefix:])

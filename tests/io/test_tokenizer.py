@@ -187,6 +187,55 @@ def test_incremental_detokenizer_peek_emits_nothing(tok: Tokenizer) -> None:
             assert peeked.step(ids[:n]) == plain.step(ids[:n])
         assert peeked.text == plain.text == tok.decode(ids)
 
+class _CountingTokenizer:
+    """A tokenizer that records the longest id list `decode` was given."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok, self.longest = tok, 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_detokenizer_window_stays_short_over_runs_of_nothing(tok: Tokenizer,
+                                                                         seed: int) -> None:
+    """Text ids (multi-byte characters among them) mixed with runs of up to 300 ids that decode
+    to nothing (special tokens, skipped; a padded model's ids past the vocabulary), taken a few
+    at a time: the pieces are the full decode, nothing is emitted before its character
+    completes, and no decode call sees more than a few steps' ids, however long the runs
+    (before, each step decoded the whole run since the last piece again)."""
+    import random
+
+    rng = random.Random(seed)
+    padded = tok.for_model(tok.vocab_size + 64)
+    specials = sorted(i for i in range(tok.vocab_size) if tok.is_special(i))
+    nothing = specials + list(range(tok.vocab_size, tok.vocab_size + 64))
+    words = ("héllo 世界 🎉👍🏽 日本語 e\u0301 fin " + topics["for"][:200]).split()
+    for skip in (True, False):
+        ids: list[int] = []
+        for _ in range(12):
+            ids += tok.encode(" " + " ".join(rng.choices(words, k=rng.randint(1, 4))))
+            ids += [rng.choice(nothing if skip else nothing[len(specials):])
+                    for _ in range(rng.choice([0, 1, 40, 300]))]
+        counting = _CountingTokenizer(padded)
+        detok = IncrementalDetokenizer(counting, skip_special_tokens=skip)
+        n, pieces, most = 0, [], 0
+        while n < len(ids):
+            step = rng.randint(1, 4)
+            n = min(len(ids), n + step)
+            most = max(most, step)
+            pieces.append(detok.step(ids[:n], final=n == len(ids)))
+        assert "".join(pieces) == detok.text == padded.decode(ids, skip_special_tokens=skip)
+        assert not any("\ufffd" in p for p in pieces[:-1])
+        # the context piece and the new ids, a character's bytes held back at most
+        assert counting.longest <= 2 * most + 8, counting.longest
+
+
 def test_from_hf_dir_matches_gguf(tok: Tokenizer, hf_tok, tmp_path) -> None:
     hf_tok.save_pretrained(tmp_path)
     from_dir = Tokenizer.from_hf_dir(tmp_path)
