@@ -46,15 +46,35 @@ def grammar_source(spec: StructuredOutput) -> str:
 
     matcher = llguidance.LLMatcher
     if spec.json is not None:
-        return matcher.grammar_from_json_schema(spec.json, defaults=JSON_FORMAT)
+        return matcher.grammar_from_json_schema(_object_schema(spec.json), defaults=JSON_FORMAT)
     if spec.json_object:
         return matcher.grammar_from_json_schema(json.dumps({"type": "object"}),
                                                 defaults=JSON_FORMAT)
     if spec.regex is not None:
+        # llguidance writes the regex into a Lark /.../ literal and drops a trailing lone
+        # backslash there, where a regex engine refuses the incomplete escape: "ab" and one
+        # backslash would constrain to "ab", a backslash alone to the empty string.
+        if (len(spec.regex) - len(spec.regex.rstrip("\\"))) % 2:
+            raise ValueError(f"regex {spec.regex!r} ends in an incomplete escape (a lone "
+                             f"backslash); a literal backslash is written \\\\")
         return matcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
     return llguidance.grammar_from("grammar", spec.grammar)
+
+
+def _object_schema(schema: str) -> str:
+    """A JSON schema as llguidance takes it with format options: an object. The boolean schemas
+    are written as objects ({} admits any value); `false`, which admits none, is refused."""
+    try:
+        value = json.loads(schema)
+    except ValueError:
+        return schema  # llguidance's own message says where it is not JSON
+    if value is True:
+        return "{}"
+    if value is False:
+        raise ValueError("the JSON schema false admits no value")
+    return schema
 
 
 class TokenConstraint:

@@ -145,6 +145,63 @@ def test_an_invalid_constraint_is_refused_when_compiled(compiler, spec, message)
         compiler.constraint(StructuredOutput(**spec))
 
 
+def _admits(compiler, constraint, tokenizer, text: str) -> bool:
+    """Whether `constraint` takes `text`'s tokens one by one and then may end."""
+    from infer.structured import mask_words
+    vocab = compiler.vocab_size
+    for token in tokenizer.encode(text, add_bos=False):
+        if not constraint.consume(token):
+            return False
+    if constraint.done:
+        return True
+    mask = np.zeros((1, mask_words(vocab)), np.int32)
+    constraint.fill(mask, 0)
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    return any(bits[e] for e in tokenizer.eos_ids)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_regex_ending_in_a_lone_backslash_is_refused(compiler, smollm2, seed: int) -> None:
+    """Random literals followed by 0-5 backslashes: an odd count ends in an incomplete escape,
+    which Python's re refuses and llguidance would drop (constraining to the literal alone), so
+    it is refused; an even count is that many halved literal backslashes, admitted as such."""
+    import random
+    import re
+    import string
+
+    _, _, tokenizer = smollm2
+    rng = random.Random(seed)
+    for _ in range(6):
+        word = "".join(rng.choices(string.ascii_letters + string.digits + " ", k=rng.randint(0, 6)))
+        slashes = rng.randint(0 if word else 1, 5)
+        regex = re.escape(word) + "\\" * slashes
+        if slashes % 2:
+            with pytest.raises(re.error):
+                re.compile(regex)
+            with pytest.raises(ValueError, match="incomplete escape"):
+                compiler.constraint(StructuredOutput(regex=regex))
+            continue
+        text = word + "\\" * (slashes // 2)
+        assert re.fullmatch(regex, text)
+        assert _admits(compiler, compiler.constraint(StructuredOutput(regex=regex)), tokenizer,
+                       text)
+        if slashes:
+            assert not _admits(compiler, compiler.constraint(StructuredOutput(regex=regex)),
+                               tokenizer, word)
+
+
+def test_the_boolean_json_schemas(compiler, smollm2) -> None:
+    """`true` admits any JSON value (an object or not), `false` none: refused when compiled."""
+    _, _, tokenizer = smollm2
+    for text in ('[1, "a"]', "3", '{"k": null}'):
+        assert _admits(compiler, compiler.constraint(StructuredOutput(json="true")), tokenizer,
+                       text)
+    assert not _admits(compiler, compiler.constraint(StructuredOutput(json="true")), tokenizer,
+                       "[1,")
+    with pytest.raises(ValueError, match="false admits no value"):
+        compiler.constraint(StructuredOutput(json="false"))
+
+
 def test_a_token_outside_the_mask_is_refused_not_a_silent_output(compiler, smollm2) -> None:
     _, _, tokenizer = smollm2
     constraint = compiler.constraint(StructuredOutput(choice=CHOICES))
