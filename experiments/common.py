@@ -13,7 +13,6 @@ import inspect
 import json
 import os
 import platform
-import subprocess
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -32,17 +31,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "results")
 
 
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -56,6 +44,8 @@ def cpu_model() -> str:
 
 def environment() -> dict[str, Any]:
     import jax
+
+    from infer.platform import git_revision
 
     device = jax.devices()[0]
     return {

@@ -11,9 +11,26 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from typing import Callable
 
 import jax
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_revision() -> str:
+    """The checkout's commit (short), with "-dirty" when tracked files differ from it;
+    "unknown" outside a git checkout (an installed wheel)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                             capture_output=True, text=True, check=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev + ("-dirty" if dirty else "") if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def configure_xla_cpu() -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
-import subprocess
 import time
 from typing import AsyncIterator
 
@@ -18,9 +19,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import jax
+from flax import nnx
+
 from infer.engine.engine import Engine
 from infer.engine.request import RequestOutput
 from infer.parallel.replicas import ReplicatedEngine
+from infer.platform import git_revision
 from infer.serve import protocol
 from infer.serve.metrics import CONTENT_TYPE, ServerMetrics
 from infer.serve.protocol import ApiError, Job, ServedModel
@@ -42,7 +47,8 @@ class Server:
                for r in replicas_of(engine)):
             raise ValueError("a server never knows that no more requests will come: the static "
                              "scheduler needs a finite static_max_wait_s")
-        self.served = served
+        self.served = (served if served.fingerprint is not None else
+                       dataclasses.replace(served, fingerprint=system_fingerprint(engine)))
         self.engine = engine
         self.metrics = ServerMetrics(served.name)
         self.worker = EngineWorker(engine, self.metrics, warmup=warmup)
@@ -110,7 +116,7 @@ class Server:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def version(self, request: HttpRequest) -> Response:
-        return JSONResponse({"version": _git_revision()})
+        return JSONResponse({"version": git_revision()})
 
     async def tokenize(self, request: HttpRequest) -> Response:
         prompt, add_bos = protocol.parse_tokenize(await _json_body(request))
@@ -287,10 +293,17 @@ async def _disconnected(request: HttpRequest) -> None:
             return
 
 
-def _git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, cwd=__file__.rsplit("/", 3)[0]
-                              ).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+def system_fingerprint(engine: Engine | ReplicatedEngine) -> str:
+    """OpenAI's `system_fingerprint`: "infer-<commit>-<digest>", the digest over what decides
+    the outputs besides the request, each replica's engine config (KV format, scheduler,
+    speculation...), model config, weight dtypes and the devices its weights span. Equal
+    fingerprints and a seed: the same tokens."""
+    described = []
+    for replica in replicas_of(engine):
+        weights = jax.tree.leaves(nnx.state(replica.model))
+        devices = max((len(w.sharding.device_set) for w in weights if isinstance(w, jax.Array)),
+                      default=1)
+        described.append((replica.config, replica.model_config,
+                          sorted({str(w.dtype) for w in weights}), devices))
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()[:12]
+    return f"infer-{git_revision()}-{digest}"

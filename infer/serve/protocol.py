@@ -48,6 +48,9 @@ class ServedModel:
     max_num_seqs: int
     tokenizer: Tokenizer
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # OpenAI's system_fingerprint of every response (`infer.serve.app.system_fingerprint`);
+    # None: the server computes it from its engine.
+    fingerprint: str | None = None
     # Each id decoded once: a logprobs response names every token and up to 20 alternatives
     # per position, and the same few thousand ids come back request after request.
     _token_texts: dict[int, str] = dataclasses.field(default_factory=dict, init=False,
@@ -84,6 +87,7 @@ class Job:
     # stream_options.continuous_usage_stats (with include_usage): every event carries its
     # choice's usage so far, as vLLM's do.
     continuous_usage: bool = False
+    system_fingerprint: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -476,7 +480,7 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None,
-               continuous_usage=continuous_usage)
+               continuous_usage=continuous_usage, system_fingerprint=served.fingerprint)
 
 
 def chat_messages(messages: object) -> list[dict[str, str]]:
@@ -539,7 +543,7 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
                served.token_text if params.logprobs is not None else None,
-               continuous_usage=continuous_usage)
+               continuous_usage=continuous_usage, system_fingerprint=served.fingerprint)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -652,7 +656,7 @@ def _object(job: Job, chunk: bool) -> str:
 def response(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     """The whole non-streamed answer, once every choice has finished."""
     return {"id": job.response_id, "object": _object(job, False), "created": job.created,
-            "model": job.model,
+            "model": job.model, "system_fingerprint": job.system_fingerprint,
             "choices": [_choice(job, i, o, _logprobs_of(job, o))
                         | ({"message": {"role": "assistant", "content": o.text}}
                            if job.kind == "chat" else {"text": o.text})
@@ -674,7 +678,8 @@ def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool,
     else:
         choice["text"] = delta
     event = {"id": job.response_id, "object": _object(job, True), "created": job.created,
-             "model": job.model, "choices": [choice]}
+             "model": job.model, "system_fingerprint": job.system_fingerprint,
+             "choices": [choice]}
     if job.continuous_usage:  # this choice's, as vLLM counts them
         prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
         event["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -684,4 +689,5 @@ def chunk(job: Job, index: int, out: RequestOutput, delta: str, first: bool,
 
 def usage_chunk(job: Job, outputs: Sequence[RequestOutput]) -> dict:
     return {"id": job.response_id, "object": _object(job, True), "created": job.created,
-            "model": job.model, "choices": [], "usage": usage(job, outputs)}
+            "model": job.model, "system_fingerprint": job.system_fingerprint, "choices": [],
+            "usage": usage(job, outputs)}

@@ -81,6 +81,26 @@ def test_stream_equals_whole_answer_and_ends_with_usage(running) -> None:
     assert len(content) > 1  # one event per step, not one at the end
 
 
+def test_every_answer_and_event_carries_the_servers_fingerprint(running) -> None:
+    """Completions and chats, whole and streamed (usage event included): one fingerprint, the
+    one the server's engine gives."""
+    from infer.serve.app import system_fingerprint
+
+    fingerprint = running.server.served.fingerprint
+    assert fingerprint == system_fingerprint(running.server.engine)
+    client = running.client()
+    common = dict(model="smollm2-4l", max_tokens=3, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "Hi"}]
+    answers = [client.completions.create(prompt=PROMPTS[0], **common),
+               client.chat.completions.create(messages=messages, **common)]
+    for stream in (client.completions.create(prompt=PROMPTS[0], stream=True, **common,
+                                             stream_options={"include_usage": True}),
+                   client.chat.completions.create(messages=messages, stream=True, **common)):
+        answers += list(stream)
+    assert len(answers) > 4
+    assert {a.system_fingerprint for a in answers} == {fingerprint}
+
+
 def test_chat_equals_llm_chat_plain_streamed_and_as_parts(running) -> None:
     client = running.client()
     messages = [{"role": "system", "content": "Answer briefly."},
