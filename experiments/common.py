@@ -175,14 +175,21 @@ def row_key(point: Mapping[str, Any]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+# The environment fields that say which machine measured a row: --resume keeps rows of this one
+# only. The code revision is not among them: resuming a sweep across commits is a choice, and
+# the line --resume prints names the revisions kept rows come from.
+MACHINE = ("backend", "device", "num_devices", "cpu", "cpu_count", "jax")
+
+
 class ResultLog:
     """An experiment's JSONL results, written one row at a time.
 
     Each row is appended, flushed and synced the moment it is measured, so a failure later in the
     run loses nothing already measured. A row of a sweep point carries `key` (`row_key` of the
     point's configuration); with `resume=True` a point whose key is already in the file is not
-    measured again, its stored row stands in. Tables and plots are built from `rows()`, which
-    reads this run's rows back from the file. Every row carries the run's environment."""
+    measured again, its stored row stands in, unless it failed or another machine measured it
+    (`_reusable`). Tables and plots are built from `rows()`, which reads this run's rows back
+    from the file. Every row carries the run's environment."""
 
     def __init__(self, path: str, *, resume: bool = False,
                  env: dict[str, Any] | None = None) -> None:
@@ -191,10 +198,42 @@ class ResultLog:
         self.resume = resume
         self.env = environment() if env is None else env
         self._keys: list[str] = []  # this run's points, in the order it met them
-        self._stored = _latest_by_key(read_jsonl(path)) if resume and os.path.exists(path) else {}
+        self._stored: dict[str, dict[str, Any]] = {}
         if resume:
-            print(f"[resume] {len(self._stored)} measured points in {path}; they are not "
-                  "measured again")
+            self._stored = self._reusable(
+                _latest_by_key(read_jsonl(path)) if os.path.exists(path) else {})
+
+    def _reusable(self, stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The stored rows a resumed run keeps: those measured on this machine (`MACHINE`
+        fields of their env equal to this run's) that did not fail. The others are measured
+        again, as the printed line says: a table must not set another machine's timings beside
+        this one's, nor keep a failure (out of memory, say) that was the moment's."""
+        kept, elsewhere, failed = {}, [], 0
+        for key, row in stored.items():
+            env = row.get("env") or {}
+            differ = [f"{f} {env.get(f)!r}" for f in MACHINE
+                      if f in self.env and env.get(f) != self.env[f]]
+            if differ:
+                elsewhere.append(", ".join(differ))
+            elif "error" in row:
+                failed += 1
+            else:
+                kept[key] = row
+        line = (f"[resume] {len(stored)} measured points in {self.path}: {len(kept)} kept, not "
+                f"measured again")
+        if failed:
+            line += f"; {failed} that failed measured again"
+        if elsewhere:
+            line += (f"; {len(elsewhere)} from another machine or JAX measured again (e.g. "
+                     f"{elsewhere[0]}; here " + ", ".join(
+                         f"{f} {self.env[f]!r}" for f in MACHINE if f in self.env) + ")")
+        revisions = sorted({str((r.get("env") or {}).get("git")) for r in kept.values()}
+                           - {str(self.env.get("git"))})
+        if revisions:
+            line += f"; kept rows come from git {', '.join(revisions)} (this run: " \
+                    f"{self.env.get('git')})"
+        print(line)
+        return kept
 
     def done(self, point: Mapping[str, Any]) -> dict[str, Any] | None:
         """The stored row of `point` when resuming and the file holds one, else None."""
@@ -250,8 +289,9 @@ def define_resume_flag(flag_values: Any) -> None:
     """--resume, shared by the sweep experiments (see ResultLog)."""
     from absl import flags
 
-    flags.DEFINE_bool("resume", False, "keep the rows already in --out and measure only the "
-                      "sweep points that have none (same flags as the interrupted run)",
+    flags.DEFINE_bool("resume", False, "keep the rows already in --out that this machine "
+                      "measured without error, and measure only the other sweep points (same "
+                      "flags as the interrupted run)",
                       flag_values=flag_values)
 
 

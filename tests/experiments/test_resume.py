@@ -91,6 +91,42 @@ def test_a_line_cut_short_is_skipped_and_the_next_row_starts_its_own(tmp_path, c
     assert [r["x"] for r in read_jsonl(str(out))] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_resume_keeps_only_this_machines_rows_that_did_not_fail(tmp_path, capsys, seed) -> None:
+    """Random stored rows, each from this machine or another (one MACHINE field differs), some
+    failed: a resumed run measures again exactly the failed and the foreign ones, and says so,
+    naming the revisions of the rows it kept."""
+    import random
+
+    rng = random.Random(seed)
+    here = {"git": "new", "backend": "cpu", "device": "cpu", "num_devices": 1, "cpu": "EPYC",
+            "cpu_count": 2, "jax": "0.10.2"}
+    out = tmp_path / "sweep.jsonl"
+    points = [{"experiment": "fake", "x": x} for x in range(12)]
+    expected_again = []
+    with open(out, "w") as f:
+        for point in points:
+            env = dict(here, git=rng.choice(["old", "new"]))
+            foreign = rng.random() < 0.3
+            if foreign:
+                field = rng.choice(common.MACHINE)
+                env[field] = "elsewhere"
+            row = {**point, "key": row_key(point), "y": -1, "env": env}
+            if rng.random() < 0.3:
+                row["error"] = "JaxRuntimeError: RESOURCE_EXHAUSTED"
+            if foreign or "error" in row:
+                expected_again.append(point["x"])
+            f.write(json.dumps(row) + "\n")
+    calls: list[dict] = []
+    rows = sweep(ResultLog(str(out), resume=True, env=here), points, calls)
+    assert [p["x"] for p in calls] == expected_again
+    assert all((r["y"] == -1) == (r["x"] not in expected_again) for r in rows)
+    assert all("error" not in r and r["env"]["cpu_count"] == 2 for r in rows
+               if r["x"] in expected_again)
+    line = capsys.readouterr().out
+    assert f"12 measured points in {out}: {12 - len(expected_again)} kept" in line
+
+
 FRAGMENTATION = dict(num_requests=40, rate=2.0, prompt_dist="uniform", prompt_min=8,
                      prompt_max=64, prompt_median=32, prompt_sigma=1.0, output_shape=1.5,
                      output_scale=8, output_cap=64, max_model_len=128, kv_tokens=2048,
