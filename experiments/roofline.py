@@ -232,6 +232,20 @@ def measure_point(steps: Any, config: Any, *, batch: int, new_tokens: int, cache
     return {"step_s": step_s, "first_call_s": first, "dispatch_s": dispatch_s, "cache_len": slots}
 
 
+def judged(row: dict, peak: float, bandwidth: float) -> dict:
+    """A point's fields that depend on the ceilings (its bound, the roof above it, its fraction
+    of that roof, the step time the roof allows), against `peak` FLOP/s and `bandwidth` B/s."""
+    flops, nbytes, intensity = row["flops"], row["bytes"], row["intensity"]
+    ridge = ridge_intensity(peak, bandwidth)
+    attainable = attainable_flops(intensity, peak, bandwidth)
+    out = {"ridge_intensity": ridge, "attainable_flops": attainable,
+           "bound": "compute" if intensity > ridge else "memory"}
+    if "error" not in row:
+        out.update(fraction_of_roof=row["achieved_flops"] / attainable,
+                   roofline_step_ms=1e3 * max(flops / peak, nbytes / bandwidth))
+    return out
+
+
 def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: int, context: int,
         dtype: str, kv_dtype: str, repeats: int, steps_per_sample: int, knee_factor: float,
         out: str, resume: bool = False) -> list[dict]:
@@ -266,16 +280,10 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
 
     def measure(phase: str, b: int, t: int, s: int) -> dict:
         c = ceilings()
-        peak, bandwidth = c["matmul_flops"], c["copy_bandwidth_Bps"]
-        ridge = ridge_intensity(peak, bandwidth)
         flops = step_flops(config, b, t, s)
         nbytes = step_bytes(b, t, s, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bpt)
-        intensity = flops / nbytes
-        row = {**counted, **c, "ridge_intensity": ridge,
-               "label": f"B={b}" if phase == "decode" else f"T={t}",
-               "flops": flops, "bytes": nbytes, "intensity": intensity,
-               "attainable_flops": attainable_flops(intensity, peak, bandwidth),
-               "bound": "compute" if intensity > ridge else "memory"}
+        row = {**counted, **c, "label": f"B={b}" if phase == "decode" else f"T={t}",
+               "flops": flops, "bytes": nbytes, "intensity": flops / nbytes}
         try:
             m = measure_point(steps, config, batch=b, new_tokens=t, cached=s,
                               kv_dtype=jnp.dtype(kv_dtype), repeats=repeats,
@@ -287,10 +295,8 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
             step_s = m["step_s"]
             row.update(m, step_ms=step_s * 1e3, dispatch_ms=m["dispatch_s"] * 1e3,
                        tokens_per_s=b * t / step_s, achieved_flops=flops / step_s,
-                       achieved_Bps=nbytes / step_s,
-                       fraction_of_roof=flops / step_s / row["attainable_flops"],
-                       roofline_step_ms=1e3 * max(flops / peak, nbytes / bandwidth))
-        return row
+                       achieved_Bps=nbytes / step_s)
+        return {**row, **judged(row, c["matmul_flops"], c["copy_bandwidth_Bps"])}
 
     points = ([("decode", b, 1, context) for b in batch_sizes]
               + [("prefill", prefill_batch, t, 0) for t in prefill_lengths])
@@ -300,9 +306,18 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
     rows = [dict(r) for r in log.rows()]
 
     # The summary is derived from the rows, so it is written anew by every run. Rows of a
-    # resumed run may carry another run's ceilings: the first row's stand for the sweep.
+    # resumed run may carry another run's ceilings: the first row's stand for the sweep, and
+    # every row is judged against them here (bound, % of roof), as the summary and plot are.
     peak, bandwidth = rows[0]["matmul_flops"], rows[0]["copy_bandwidth_Bps"]
     ridge = ridge_intensity(peak, bandwidth)
+    runs = {(r["matmul_flops"], r["copy_bandwidth_Bps"]) for r in rows}
+    if len(runs) > 1:
+        print(f"[roofline] the rows come from {len(runs)} runs with different ceilings (copy "
+              f"{min(b for _, b in runs) / 1e9:.1f}-{max(b for _, b in runs) / 1e9:.1f} GB/s, "
+              f"matmul {min(f for f, _ in runs) / 1e9:,.0f}-{max(f for f, _ in runs) / 1e9:,.0f}"
+              f" GFLOP/s): every row is judged against the first row's")
+        for r in rows:
+            r.update(judged(r, peak, bandwidth))
     ceiling_fields = {k: rows[0][k] for k in ("copy_bandwidth_Bps", "matmul_flops",
                                               "matmul_dtype")}
     swept = sorted((r for r in rows if r["phase"] == "decode"), key=lambda r: r["batch"])

@@ -101,3 +101,34 @@ def test_exact_ridge_batch_is_where_counted_intensity_first_exceeds_the_ridge():
     # The KV-only limit (218624 / 6144 = 35.6 FLOP/B) caps decode: past it, never compute-bound.
     assert exact_ridge_batch(config, 10, weight_bytes=w, kv_bytes_per_token=TINY_KV,
                              ridge=36.0) is None
+
+
+def test_a_resumed_sweep_judges_every_row_against_one_set_of_ceilings(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Two runs whose ceilings differ (pinned here at 100 and then 50 GB/s, as bandwidth does
+    vary between runs): the resumed run's table, rows and summary use the first row's ceilings
+    throughout. Before, the B=1 row kept its own run's bound and % of roof beside a summary and
+    plot drawn with another roof."""
+    from experiments import common, roofline
+
+    def ceilings_at(bandwidth: float):
+        return lambda **kw: {"copy_bandwidth_Bps": bandwidth, "read_bandwidth_Bps": bandwidth,
+                             "copy_bandwidth_samples_Bps": [bandwidth],
+                             "read_bandwidth_samples_Bps": [bandwidth], "matmul_flops": 1e11,
+                             "matmul_dtype": "float32"}
+
+    kw = dict(prefill_lengths=[], prefill_batch=1, context=128, dtype="float32",
+              kv_dtype="float32", repeats=1, steps_per_sample=1, knee_factor=1.5,
+              out=str(tmp_path / "roofline.jsonl"))
+    monkeypatch.setattr(common, "measure_ceilings", ceilings_at(50e9))
+    roofline.run(batch_sizes=[2], **kw)
+    monkeypatch.setattr(common, "measure_ceilings", ceilings_at(100e9))
+    *rows, summary = roofline.run(batch_sizes=[2, 1], resume=True, **kw)
+    assert "judged against the first row's" in capsys.readouterr().out
+    assert [r["copy_bandwidth_Bps"] for r in rows] == [50e9, 100e9]  # as measured
+    assert summary["copy_bandwidth_Bps"] == 50e9
+    for r in rows:
+        want = roofline.judged(r, 1e11, 50e9)
+        assert {k: r[k] for k in want} == want
+        assert r["roofline_step_ms"] == pytest.approx(1e3 * max(r["flops"] / 1e11,
+                                                                r["bytes"] / 50e9))
