@@ -299,26 +299,21 @@ class Scheduler:
     def _plan_decode(self) -> StepPlan:
         static = self.config.policy == "static"
         plan = StepPlan(kind="decode", decode_width=self._batch_width if static else 0)
-        # Earliest admitted first: when pages run out, the latest admitted is preempted.
+        # Every row's one token first, earliest admitted first: when pages run out, the latest
+        # admitted is preempted.
         ready = sorted((s for s in self.running if s.decode_ready), key=lambda s: s.admitted_at)
         for seq in ready:
             if seq.status != Status.RUNNING:
                 continue  # preempted below while making room for an earlier request
-            drafts = self._draft_limit(seq)
             while True:
                 try:
-                    end = seq.num_computed + 1 + drafts
+                    end = seq.num_computed + 1
                     self.allocator.reserve(seq.pages, end)
                     plan.page_copies += self.allocator.prepare_write(
                         seq.pages, seq.num_computed, end)
                     plan.decode.append(seq)
-                    plan.draft_limits.append(drafts)
                     break
                 except OutOfPages:
-                    if drafts:
-                        # Drafts are optional work: a plain decode row costs nobody a preemption.
-                        drafts = 0
-                        continue
                     victim = max((s for s in self.running if s is not seq
                                   and s not in plan.decode), key=lambda s: s.admitted_at,
                                  default=None)
@@ -328,7 +323,30 @@ class Scheduler:
                     plan.preempted.append(victim)
                     if victim is seq:
                         break
+        # Then drafts, optional work: only from pages free now. Reserved before the later rows'
+        # tokens, an earlier row's drafts (mostly rejected, their pages freed again within the
+        # step) took the page a later row needed, which was preempted; taken with a reclaim,
+        # they would evict cached prefixes.
+        for seq in plan.decode:
+            drafts = self._draft_limit(seq)
+            while drafts and not self._fits_free(seq, seq.num_computed + 1 + drafts):
+                drafts -= 1
+            if drafts:
+                end = seq.num_computed + 1 + drafts
+                self.allocator.reserve(seq.pages, end)
+                plan.page_copies += self.allocator.prepare_write(
+                    seq.pages, seq.num_computed + 1, end)
+            plan.draft_limits.append(drafts)
         return plan
+
+    def _fits_free(self, seq: SeqState, end: int) -> bool:
+        """Whether `seq`'s positions up to `end` can be held and written with free pages alone:
+        the pages to add, and a copy of each shared page past its first position to write (an
+        overcount where a shared page lies past `end`)."""
+        g = self.allocator.page_size
+        shared = sum(self.allocator.refcount(p) > 1
+                     for p in seq.pages.pages[(seq.num_computed + 1) // g:])
+        return self.allocator.can_allocate(seq.pages.pages_needed(end) + shared)
 
     def next_steps(self, in_flight: InFlight | None,
                    dispatch: Callable[[StepPlan, InFlight | None], InFlight],

@@ -236,6 +236,58 @@ def test_drafts_dropped_before_anyone_is_preempted() -> None:
     assert plan.draft_limits == [0] and sched.seqs["r"].status == Status.RUNNING
 
 
+def _steps_with_drafts(seed: int, spec: int) -> tuple[list[tuple], dict[str, int]]:
+    """One random stream (requests added at once, pool of 2-24 pages, prefix cache or none)
+    with `spec` draft slots per row, every draft wrong: each step's (kind, prefill rows, decode
+    rows, preempted) and each request's preemptions."""
+    rng = random.Random(seed)
+    page_size, num_pages = rng.choice([1, 2, 3, 4]), rng.randint(2, 24)
+    capacity = num_pages * page_size
+    allocator = PageAllocator(num_pages, page_size)
+    cache = PrefixCache(allocator) if rng.random() < 0.5 else None
+    sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(1, 5),
+                                      max_prefill_tokens=rng.choice([2, 4, 8]),
+                                      max_model_len=capacity, num_speculative_tokens=spec),
+                      allocator, prefix_cache=cache)
+    runner = PageReadingRunner(allocator, random.Random(seed), p_right=0.0)
+    head = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 2 * page_size + 1))]
+    requests = []
+    for i in range(rng.randint(2, 6)):
+        prompt = ((head if rng.random() < 0.5 else [])
+                  + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))])[:capacity - 1]
+        requests.append(Request(str(i), prompt, SamplingParams(
+            max_tokens=rng.randint(1, min(12, capacity - len(prompt))), seed=0), None))
+        sched.add(requests[-1])
+    sched.draining = True
+    steps = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        names = lambda seqs: tuple(s.request.request_id for s in seqs)
+        steps.append((plan.kind, names(c.seq for c in plan.prefill), names(plan.decode),
+                      names(plan.preempted)))
+        sched.postprocess(plan, runner.execute(plan))
+        assert len(steps) < 2000, f"seed {seed}: no end"
+    for r in requests:
+        assert r.output_ids == alone(r.prompt_token_ids, len(r.output_ids)), (seed, r.request_id)
+    return steps, {r.request_id: r.num_preemptions for r in requests}
+
+
+@pytest.mark.parametrize("spec", [1, 2, 4])
+def test_drafts_that_all_fail_change_no_step_and_preempt_nobody(spec: int) -> None:
+    """Every draft rejected, speculation must leave each stream as it was without it: the same
+    steps, rows and preemptions. An earlier row's draft slots, reserved before a later row's
+    one token, took the page that row needed, and it was preempted (recomputed from scratch)."""
+    differ, preempted = [], 0
+    for seed in range(300):
+        plain = _steps_with_drafts(seed, 0)
+        drafted = _steps_with_drafts(seed, spec)
+        if drafted != plain:
+            differ.append(seed)
+        preempted += sum(plain[1].values())
+    assert not differ, f"streams that differ with {spec} draft slots: seeds {differ[:10]}"
+    assert preempted > 20  # the pools are tight enough to preempt
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_long_prompt_is_not_starved_by_a_stream_of_small_requests(mixed: bool) -> None:
     """A long prompt that fits the pool alone, then small requests arriving as fast as they
