@@ -65,11 +65,13 @@ def committed_device(params: list[jax.Array]) -> jax.sharding.Sharding | None:
     """The one device weights were put on explicitly (committed), or None. A program over them
     takes every input there (`in_shardings`): inputs of either kind then share one executable,
     where jit would compile one per mix of committed and uncommitted arguments."""
-    placed = {p.sharding for p in params if getattr(p, "committed", False)}
-    if len(placed) > 1:
+    # By device, not by sharding: a data-parallel replica's weights sit on one device, each
+    # with its own spec over that device's one-device mesh.
+    devices = {d for p in params if getattr(p, "committed", False) for d in p.sharding.device_set}
+    if len(devices) > 1:
         raise ValueError("weights committed to several devices without a mesh: place them "
                          "with infer.parallel.placement.place_model")
-    return placed.pop() if placed else None
+    return jax.sharding.SingleDeviceSharding(devices.pop()) if devices else None
 
 
 def on_device(module: M, device: jax.sharding.Sharding) -> M:

@@ -32,6 +32,22 @@ def test_replicas_give_one_device_tokens_in_prompt_order(grouped, parallel):
     assert _sampled(llm, prompts) == expected
 
 
+@pytest.mark.parametrize("method", ["self_draft", "ngram"])
+def test_replicas_speculate_as_one_device(grouped, method):
+    """Each replica's weights sit on one device, each weight with its own spec over that
+    device's one-device mesh: a model-based proposer goes beside them. Seeded draws (which
+    depend on the drafts verified) equal one engine's with the same proposer. The proposer once
+    counted the weights' shardings rather than their devices and refused the replicas."""
+    spec = {"method": method, "num_tokens": 2, "self_draft_layers": 1}
+    prompts = _prompts(3, n=5)
+    expected = _sampled(LLM.from_loaded(GROUPED, grouped, None, **ENGINE, speculative=spec),
+                        prompts)
+    llm = LLM.from_loaded(GROUPED, grouped, None, **ENGINE, speculative=spec,
+                          data_parallel_size=2)
+    assert _sampled(llm, prompts) == expected
+    assert all(r.speculative_stats()["proposed"] > 0 for r in llm.engine.replicas)
+
+
 def test_least_loaded_routing_spreads_requests(grouped):
     llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=3, **ENGINE)
     front = llm.engine
