@@ -8,7 +8,7 @@ from typing import Sequence
 
 import jax
 
-from infer.engine.engine import Engine, EngineConfig
+from infer.engine.engine import Engine, EngineConfig, check_speculation_devices
 from infer.engine.request import RequestOutput
 from infer.io.loader import load_on_host
 from infer.io.tokenizer import Tokenizer
@@ -69,6 +69,7 @@ class LLM:
             mixed_steps=mixed_steps,
             speculative=SpeculativeConfig(**speculative) if speculative else None)
         check_routing(dp_routing, enable_prefix_caching)
+        check_speculation_devices(engine_config, parallel.tensor_parallel_size)
         config, host_model, tokenizer = load_on_host(model, dtype)
         self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
         if warmup:

@@ -98,6 +98,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def check_speculation_devices(config: EngineConfig, devices: int) -> None:
+    """Speculative decoding runs on one device: its proposers are not placed on a mesh, so an
+    engine over `devices` > 1 (tensor parallelism) refuses it."""
+    if config.speculative and devices > 1:
+        raise ValueError(f"speculative decoding runs on one device: its proposers are not "
+                         f"placed on a mesh (the engine spans {devices}; data parallelism "
+                         f"gives each replica one)")
+
+
 def check_request_id(request_id: object) -> None:
     """Request ids are strings (the engine numbers its own "0", "1", ...): an int would name no
     request, and abort(0) would stop nothing without a word."""
@@ -160,9 +169,7 @@ class Engine:
         if runner is not None and runner.config != runner_config:
             raise ValueError(f"the runner was built for {runner.config}, not {runner_config}")
         proposer = None
-        if config.speculative and mesh is not None and mesh.size > 1:
-            raise ValueError("speculative decoding runs on one device: its proposers are not "
-                             "placed on a mesh")
+        check_speculation_devices(config, 1 if mesh is None else mesh.size)
         if config.speculative and runner is None:
             proposer = make_proposer(config.speculative, model, runner_config)
         self.runner = runner or Runner(model, runner_config, proposer, mesh)

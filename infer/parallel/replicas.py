@@ -2,8 +2,9 @@
 scheduler, page allocator and KV cache, behind one front with the engine's request API.
 
 A request goes to one replica for its whole life (its KV lives there): the least loaded one
-(fewest unfinished requests, ties to the lowest index), or with `routing="prefix"` the one whose
-prefix cache holds the most of its prompt, load breaking ties. Ids are the front's, so they are
+(fewest unfinished requests, ties to the lowest index), or with `routing="prefix"`, among the
+replicas with a free slot, the one whose prefix cache holds the most of its prompt, load
+breaking ties. Under the static policy a request first joins the fullest batch still forming. Ids are the front's, so they are
 unique across replicas. `step()` steps every replica that has work and returns their outputs
 together; `LLM.generate` puts them back in prompt order.
 """
@@ -45,15 +46,25 @@ class ReplicatedEngine:
 
     def route(self, request: Request) -> int:
         """The index of the replica `request` would go to now."""
-        def load(i: int) -> int:
-            return len(self.replicas[i].scheduler.seqs)
-
         order = range(len(self.replicas))
+        load = [len(r.scheduler.seqs) for r in self.replicas]
+        slots = self.config.max_num_seqs
+        if self.config.scheduler == "static":
+            # A static replica starts a batch when it is full (or its oldest request has waited
+            # static_max_wait_s): spread over replicas, requests wait for batches that one
+            # replica's would have filled. Join the fullest batch still forming.
+            waiting = [len(r.scheduler.waiting) for r in self.replicas]
+            forming = [i for i in order if 0 < waiting[i] < slots]
+            if forming:
+                return min(forming, key=lambda i: (-waiting[i], load[i], i))
         if self.routing == "prefix":
+            # The cache holder while it has a free slot: with every request sharing a prefix
+            # (a chat template's), the first replica to cache it would otherwise take them all.
+            free = [i for i in order if load[i] < slots] or list(order)
             ids = request.prompt_token_ids[:-1]  # as the scheduler matches them
-            return min(order, key=lambda i: (-self.replicas[i].prefix_cache.cached_tokens(ids),
-                                             load(i), i))
-        return min(order, key=lambda i: (load(i), i))
+            return min(free, key=lambda i: (-self.replicas[i].prefix_cache.cached_tokens(ids),
+                                            load[i], i))
+        return min(order, key=lambda i: (load[i], i))
 
     def submit(self, request: Request, callback: Callback | None = None) -> str:
         if request.request_id in self._home:

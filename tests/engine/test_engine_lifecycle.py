@@ -280,6 +280,23 @@ def test_llm_rejects_bad_settings_before_reading_the_checkpoint(
     LLM.from_loaded(TINY, tiny_model, None, max_model_len=64, page_size=4)  # the good ones pass
 
 
+def test_llm_refuses_speculation_over_tensor_parallelism_before_reading(monkeypatch) -> None:
+    """Found only once the model was read and placed, where the engine refused it; data
+    parallelism gives each replica one device and is taken."""
+    import infer.llm
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the settings were checked")
+
+    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
+    with pytest.raises(ValueError, match="speculative decoding runs on one device.*spans 2"):
+        LLM(model="tiny", compilation_cache=False, tensor_parallel_size=2,
+            speculative={"method": "ngram"})
+    with pytest.raises(AssertionError, match="the checkpoint was read"):
+        LLM(model="tiny", compilation_cache=False, data_parallel_size=2,
+            speculative={"method": "ngram"})
+
+
 # -- seeds -----------------------------------------------------------------------------------
 
 def test_unseeded_requests_draw_fresh_seeds_and_report_them(tiny_model) -> None:

@@ -80,6 +80,49 @@ def test_prefix_routing_follows_the_cached_prefix(grouped):
     assert front.output(follower.request_id).token_ids == _sampled(one, [shared + [3]], 3)[0]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_prefix_routing_never_queues_on_a_full_replica_while_one_has_room(grouped, seed):
+    """Random requests, most sharing a cached prefix (as a chat template's): a request goes to
+    a full replica only when every replica is full, and to the replica caching most of its
+    prompt among those with room. Before, the cache holder took every request sharing it."""
+    rng = np.random.default_rng(seed)
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=3,
+                          enable_prefix_caching=True, dp_routing="prefix", **ENGINE)
+    front = llm.engine
+    slots = front.config.max_num_seqs
+    shared = rng.integers(0, GROUPED.vocab_size, 33).tolist()
+    sp = SamplingParams(max_tokens=2, temperature=1.0, seed=0)
+    front.add_request(prompt_token_ids=shared + [1], params=sp)
+    front.run_until_done()  # one replica caches the shared prefix
+    for _ in range(int(rng.integers(2 * slots, 4 * slots))):
+        tail = rng.integers(0, GROUPED.vocab_size, int(rng.integers(1, 4))).tolist()
+        prompt = (shared if rng.random() < 0.8 else []) + tail
+        request = front.make_request(prompt_token_ids=prompt, params=sp)
+        loads = [len(r.scheduler.seqs) for r in front.replicas]
+        cached = [r.prefix_cache.cached_tokens(prompt[:-1]) for r in front.replicas]
+        chosen = front.route(request)
+        room = [i for i in range(3) if loads[i] < slots]
+        if room:
+            assert chosen in room, (loads, chosen)
+            assert cached[chosen] == max(cached[i] for i in room)
+        front.submit(request)
+    front.run_until_done()
+
+
+def test_static_replicas_fill_one_batch_at_a_time(grouped):
+    """Under the static policy a replica starts a batch when it is full: four requests for
+    batches of four start at once on one replica, where spread two and two neither would."""
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, scheduler="static",
+                          **ENGINE)
+    front = llm.engine
+    sp = SamplingParams(max_tokens=2)
+    for prompt in _prompts(5, n=ENGINE["max_num_seqs"] + 1):
+        front.add_request(prompt_token_ids=prompt, params=sp)
+    assert [len(r.scheduler.waiting) for r in front.replicas] == [4, 1]
+    assert front.seconds_until_work() == 0.0
+    front.run_until_done()
+
+
 def test_a_request_aborted_by_its_callback_leaves_the_front(grouped):
     """A replica aborts a request whose stream callback raised; the front sees it end too:
     its id is free again and the front holds nothing unfinished."""
