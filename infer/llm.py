@@ -145,13 +145,22 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=n, desc="requests")
-        for out in self.engine.stream():
-            if out.finished and out.request_id in mine:
-                finished[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for out in self.engine.stream():
+                if out.finished and out.request_id in mine:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            # Stopped midway (Ctrl-C, an error): this call's requests leave the engine, which
+            # would otherwise run them in the next call too.
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [finished[i] for i in ids]
 
     def chat(self, messages: Conversation | Sequence[Conversation],

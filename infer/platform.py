@@ -9,10 +9,13 @@ engine hits at every small decode batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import jax
 
@@ -31,6 +34,36 @@ def git_revision() -> str:
         return rev + ("-dirty" if dirty else "") if rev else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Holds Ctrl-C (SIGINT) until the block ends, then raises KeyboardInterrupt; a second
+    Ctrl-C raises at once. An engine step hands its KV cache to a program that donates it and
+    keeps what comes back: stopped between the two, the engine would hold freed buffers, and
+    Python checks for signals right after a long device call returns. Only in the main
+    thread, and only over Python's own SIGINT handler (an application's is left alone)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[bool] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if held:  # asked twice: the caller would rather stop now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        held.append(True)
+        logger().info("interrupt held until this engine step ends (press Ctrl-C again to stop "
+                      "at once)")
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def configure_xla_cpu() -> None:

@@ -33,6 +33,7 @@ from infer.engine.runner import Runner, RunnerConfig
 from infer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
 from infer.model.llama import Llama, tile_weights
+from infer.platform import interrupts_deferred
 from infer.sampling_params import SamplingParams, is_real
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
@@ -288,11 +289,20 @@ class Engine:
         host's planning, input building and output handling overlap the device's work; that
         step's tokens are the next call's. A step planned ahead is one the engine would have
         run anyway, so the tokens are the same either way."""
+        with interrupts_deferred():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self.runner.times = StepTimes()
         looked_up = self._prefix_lookups()
-        pending, self._in_flight = self.scheduler.next_steps(
-            self._in_flight, self._dispatch, self.config.async_scheduling)
+        # The step planned ahead is kept only once this step's tokens are recorded: it feeds
+        # them, so after a failure in between (a device error) it would add its tokens to rows
+        # that lack the ones before them. Dropped, the next step is planned from what was
+        # recorded, and rewrites what the dropped steps wrote.
+        in_flight, self._in_flight = self._in_flight, None
+        pending, ahead = self.scheduler.next_steps(in_flight, self._dispatch,
+                                                   self.config.async_scheduling)
         plan = pending.plan
         running = len(self.scheduler.running)  # requests holding a slot during this step
         # Less the runner's time: building inputs, and the device for a step done on dispatch.
@@ -303,6 +313,7 @@ class Engine:
         had = {id(seq): len(seq.request.output_ids)
                for seq in [chunk.seq for chunk in plan.prefill] + list(plan.decode)}
         advanced = self.scheduler.postprocess(plan, sampled, logprobs=pending.logprobs())
+        self._in_flight = ahead
         added = [(seq, len(seq.request.output_ids) - had[id(seq)]) for seq in advanced]
         outputs = [self._notify(seq.request.output()) for seq in advanced
                    if seq.request.params.streams or seq.request.finished]

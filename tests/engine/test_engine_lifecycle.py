@@ -27,7 +27,7 @@ from infer.sampling_params import OUTPUT_KINDS, SamplingParams
 from infer.spec.config import SpeculativeConfig
 from infer.spec.ngram import NgramProposer
 from infer.spec.stats import SpeculationStats
-from tests.engines import tiny_engine
+from tests.engines import run_jobs, tiny_engine
 
 TINY = get_config("tiny")
 
@@ -581,3 +581,109 @@ def test_request_ids_skip_every_taken_number() -> None:
     assert len(set(handed)) == 20 and not set(handed) & taken
     assert sorted(map(int, handed)) == [int(h) for h in handed]  # numbered in order
     assert all(str(n) in taken or str(n) in handed for n in range(int(handed[-1])))
+
+
+# -- a step stopped midway ------------------------------------------------------------------
+
+class DeviceError(RuntimeError):
+    pass
+
+
+def _failing_once(engine: Engine, at: int, action, pipelined: bool = False) -> None:
+    """Makes the `at`-th wait for a step's tokens run `action` (raise, or signal); with
+    `pipelined`, counting from the first step that was planned ahead."""
+    wait, calls = engine.runner._wait, [0]
+
+    def flaky(x):
+        if not pipelined or any(r.planned_ahead for r in engine.records):
+            calls[0] += 1
+            if calls[0] == at:
+                action()
+        return wait(x)
+
+    engine.runner._wait = flaky
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_that_fails_midway_leaves_the_engine_exact(tiny_model, seed: int) -> None:
+    """A device error while a step's tokens are read, at a random step, with async scheduling
+    (the next step already planned on the lost tokens): the engine goes on, and every request
+    gets the tokens it gets without the error. The step planned ahead used to be kept, and
+    added its tokens to rows that lacked the ones before them."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 12))] for _ in range(4)]
+    # Temperature 9: the random tiny model's draws at 1 are all its argmax, which a lost or
+    # shifted token would not change.
+    params = [SamplingParams(max_tokens=rng.randint(4, 20), temperature=9.0, seed=i,
+                             ignore_eos=True) for i in range(4)]
+    expected = [o.token_ids for o in run_jobs(tiny_engine(tiny_model),
+                                              list(zip(prompts, params)))]
+    assert len({t for tokens in expected for t in tokens}) > 8
+    engine = tiny_engine(tiny_model)
+
+    def fail() -> None:
+        raise DeviceError("lost")
+
+    _failing_once(engine, rng.randint(1, 4), fail, pipelined=True)
+    ids = [engine.add_request(prompt_token_ids=p, params=s) for p, s in zip(prompts, params)]
+    with pytest.raises(DeviceError):
+        engine.run_until_done()
+    engine.run_until_done()
+    assert [engine.output(i).token_ids for i in ids] == expected
+
+
+def test_ctrl_c_during_a_step_waits_for_its_end(tiny_model) -> None:
+    """SIGINT while a step waits for the device: KeyboardInterrupt once the step is recorded
+    (its cache handed back, its tokens kept), and the engine goes on exactly; a second
+    SIGINT stops at once."""
+    import os
+    import signal
+
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, temperature=9.0,
+                                                           seed=3, ignore_eos=True)
+    expected = [o.token_ids for o in run(tiny_engine(tiny_model), prompts, params)]
+    engine = tiny_engine(tiny_model)
+    _failing_once(engine, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+    steps = engine.num_steps
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_until_done()
+    assert engine.num_steps > steps and engine.records[-1].output_tokens > 0  # it finished
+    engine.run_until_done()
+    assert [engine.output(i).token_ids for i in ids] == expected
+    twice = tiny_engine(tiny_model)
+    twice.add_request(prompt_token_ids=[5, 6], params=params)
+
+    def two() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second interrupt did not stop the step")
+
+    _failing_once(twice, 3, two)
+    with pytest.raises(KeyboardInterrupt):
+        twice.run_until_done()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_generate_stopped_midway_takes_its_requests_away(tiny_model) -> None:
+    """An interrupted generate leaves none of its requests queued: the next call runs its own
+    prompts alone, as a fresh engine does."""
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_num_seqs=4, max_prefill_tokens=16,
+                          max_model_len=64, page_size=4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    step, calls = llm.engine.step, [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    llm.engine.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=params)
+    assert not llm.engine.has_unfinished()
+    llm.engine.step = step
+    out = llm.generate(prompt_token_ids=[[9, 8]], sampling_params=params)
+    fresh = run(tiny_engine(tiny_model), [[9, 8]], params)
+    assert out[0].token_ids == fresh[0].token_ids
