@@ -238,8 +238,11 @@ class Scheduler:
         self.prefix_cache.record(hits=int(seq.reused_tokens == 0), hit_tokens=taken)
         seq.reused_tokens += taken
         request = seq.request
-        request.num_cached_tokens = max(request.num_cached_tokens,
-                                        min(seq.reused_tokens, len(request.prompt_token_ids)))
+        # vLLM's count: the prompt tokens its first admission found cached. A recompute after
+        # a preemption finds the request's own pages, cached as it was sent back.
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = max(request.num_cached_tokens,
+                                            min(seq.reused_tokens, len(request.prompt_token_ids)))
 
     def pages_available(self, pinned: Sequence[int] = ()) -> int:
         """Free pages plus cached pages an allocation could evict, `pinned` ones excluded: what

@@ -236,6 +236,43 @@ def test_drafts_dropped_before_anyone_is_preempted() -> None:
     assert plan.draft_limits == [0] and sched.seqs["r"].status == Status.RUNNING
 
 
+def test_a_recompute_does_not_count_its_own_pages_as_cached() -> None:
+    """Prompts that share nothing, a prefix cache and pools small enough to preempt: a request
+    sent back finds its own pages cached at its next admission, which vLLM's
+    `num_cached_tokens` (the prompt tokens its first admission found) does not count. They
+    were counted."""
+    preempted = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        page_size = rng.choice([1, 2, 4])
+        allocator = PageAllocator(rng.randint(3, 12), page_size)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=rng.randint(2, 4), max_prefill_tokens=8,
+                                          max_model_len=allocator.num_pages * page_size),
+                          allocator, prefix_cache=PrefixCache(allocator))
+        runner = PageReadingRunner(allocator, rng)
+        requests = []
+        for i in range(rng.randint(2, 5)):
+            # Distinct first tokens: no two prompts share a page.
+            prompt = [i + 1] + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))]
+            room = allocator.num_pages * page_size - len(prompt)
+            if room < 1:
+                continue
+            requests.append(Request(str(i), prompt, SamplingParams(
+                max_tokens=rng.randint(1, min(12, room)), seed=0), None))
+            sched.add(requests[-1])
+        sched.draining = True
+        for _ in range(2000):
+            if not sched.has_unfinished():
+                break
+            plan = sched.schedule()
+            sched.postprocess(plan, runner.execute(plan))
+        assert not sched.has_unfinished(), seed
+        for r in requests:
+            assert r.num_cached_tokens == 0, (seed, r.request_id, r.num_preemptions)
+            preempted += r.num_preemptions
+    assert preempted > 20
+
+
 def _steps_with_drafts(seed: int, spec: int) -> tuple[list[tuple], dict[str, int]]:
     """One random stream (requests added at once, pool of 2-24 pages, prefix cache or none)
     with `spec` draft slots per row, every draft wrong: each step's (kind, prefill rows, decode
