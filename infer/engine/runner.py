@@ -121,11 +121,17 @@ class Shape:
     # without them compile nothing more): a structured-output mask, logprobs.
     constrained: bool = False
     logprobs: bool = False
+    # decode: its tokens are the step before's, still on the device (a step planned ahead).
+    # The same program, but jit dispatches a device array apart from host tokens: reached
+    # first from a device array once JAX's lowering cache has dropped the program (a long
+    # process), it compiles again. Warm-up runs it; `shapes` lists programs, not these.
+    fed: bool = False
 
     def __str__(self) -> str:
         extras = [name for name, on in (("draft probabilities", self.draft_probs),
                                         ("a structured-output mask", self.constrained),
-                                        ("logprobs", self.logprobs)) if on]
+                                        ("logprobs", self.logprobs),
+                                        ("tokens fed from the device", self.fed)) if on]
         return (f"{self.kind} program: {self.rows} rows x {self.tokens} tokens, "
                 f"{self.width}-page tables" + "".join(f", with {e}" for e in extras))
 
@@ -281,7 +287,8 @@ class Runner:
         sampling = inputs[2]
         with self._first_use(Shape("decode" if t == 1 else "prefill", rows, t, width,
                                    constrained=sampling.allowed is not None,
-                                   logprobs=bool(sampling.num_logprobs))):
+                                   logprobs=bool(sampling.num_logprobs),
+                                   fed=feed is not None)):
             sampled, logprobs, hidden, self.cache = self.device_steps.prefill_step(self.cache,
                                                                                    *inputs)
         self.times.inputs_s += time.perf_counter() - start
@@ -552,15 +559,18 @@ class Runner:
         return (shape, self._layout) in self.device_steps.programs.ran
 
     def _ran(self, shape: Shape) -> None:
-        """Marks `shape` run, once its step has returned: its program is compiled."""
-        self.ready.add(shape)
+        """Marks `shape` run, once its step has returned: its program is compiled (`ready`
+        holds programs: a fed variant's is its twin's)."""
+        self.ready.add(dataclasses.replace(shape, fed=False))
         self.device_steps.programs.ran.add((shape, self._layout))
 
     @contextlib.contextmanager
     def _first_use(self, shape: Shape) -> Iterator[None]:
         """Around the step that runs `shape`: announces a program nothing over these weights ran
         (its step compiles it, or loads it from the persistent cache)."""
-        if not self._compiled(shape):
+        # A fed variant's program is its twin's, which it reuses unless JAX dropped it since.
+        twin = dataclasses.replace(shape, fed=False)
+        if not self._compiled(shape) and not (shape.fed and self._compiled(twin)):
             if shape.constrained or shape.logprobs:
                 logger().info("compiling the %s (a variant compiled on its first use only)",
                               shape)
@@ -573,8 +583,18 @@ class Runner:
     def _run_shape(self, shape: Shape) -> None:
         args = self._dummy(shape)
         step, _ = self._program(shape)
+        if shape.fed:  # fed, as a step planned ahead is, by a step's sampled tokens
+            sampled, *_, self.cache = step(self.cache, *args)
+            args = (sampled, *args[1:])
         *_, self.cache = step(self.cache, *args)
         self._ran(shape)
+
+    def fed_shapes(self) -> list[Shape]:
+        """The decode programs reached with tokens still on the device: every decode shape
+        where steps are planned ahead (no speculation)."""
+        if self.config.num_speculative_tokens:
+            return []
+        return [dataclasses.replace(s, fed=True) for s in self.shapes() if s.kind == "decode"]
 
     def _program(self, shape: Shape
                  ) -> tuple[Callable[..., tuple], Callable[..., jax.stages.Lowered]]:
@@ -600,8 +620,9 @@ class Runner:
         if self.mirror is not None:
             self.mirror("warmup", False, threads)
         shapes = self.shapes()
+        fed = self.fed_shapes()
         # Programs an earlier engine over these weights ran are compiled: nothing to do.
-        todo = [shape for shape in shapes if not self._compiled(shape)]
+        todo = [shape for shape in shapes + fed if not self._compiled(shape)]
         if jax.config.jax_compilation_cache_dir and threads > 1:
             import concurrent.futures
 
@@ -610,7 +631,7 @@ class Runner:
                 lower(self.cache, *self._dummy(shape)).compile()
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(compile_one, todo))
+                list(pool.map(compile_one, [s for s in todo if not s.fed]))
         if progress:
             from tqdm import tqdm
             todo = tqdm(todo, desc="compiling buckets", leave=False)

@@ -200,3 +200,33 @@ def test_warmup_returns_once_its_steps_have_run(tiny_model, tiny_weights, propos
         caches = lambda: drafter.cache
     engine.warmup()
     assert all(leaf.is_ready() for leaf in jax.tree.leaves(caches()))
+
+
+def test_a_step_planned_ahead_compiles_nothing_after_jax_drops_its_lowering(tiny_model,
+                                                                           fresh_programs):
+    """A first engine runs without planning ahead (host tokens only), and JAX's lowering cache
+    then drops its programs, as thousands of other programs do in a long process (simulated by
+    clearing it). A second engine over the same weights warms up, then plans steps ahead: fed
+    a device array, jit's dispatch missed, found no lowering, and compiled inside the run (in
+    the full test suite this test module's first case did, depending on what ran before)."""
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+
+    config = dict(max_num_seqs=2, max_prefill_tokens=16, max_model_len=64, page_size=4,
+                  min_window=32)
+    prompts, params = workload(seed=6)
+    first = Engine(tiny_model, None, EngineConfig(**config, async_scheduling=False))
+    first.warmup()
+    for p, sp in zip(prompts, params):
+        first.add_request(prompt_token_ids=p, params=sp)
+    first.run_until_done()
+    pjit._pjit_lower.cache_clear()  # jit's lowerings, each holding its executable
+    pxla.clear_in_memory_compilation_cache()
+    second = Engine(tiny_model, None, EngineConfig(**config))
+    second.warmup()
+    with CompileCounter() as compiles:
+        for p, sp in zip(prompts, params):
+            second.add_request(prompt_token_ids=p, params=sp)
+        second.run_until_done()
+    assert any(r.planned_ahead for r in second.step_records())
+    assert compiles.count == 0
