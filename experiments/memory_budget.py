@@ -182,7 +182,8 @@ def plot_users(rows: list[dict], path: str, ctx: int) -> None:
     for j, m in enumerate(models):
         mine = [r for r in rows if r["model"] == m]
         if not any(r["fits"] for r in mine):
-            why = "no layout" if all(r.get("layout") is None for r in mine) else "weights do not fit"
+            no_layout = all(r.get("layout") is None for r in mine)
+            why = "no layout" if no_layout else "weights do not fit"
             ax.annotate(why, (j, 0), xytext=(0, 12), textcoords="offset points",
                         ha="center", fontsize=8, color="red")
     r0 = rows[0]

@@ -136,6 +136,11 @@ class Shape:
                 f"{self.width}-page tables" + "".join(f", with {e}" for e in extras))
 
 
+def _unfed(shape: Shape) -> Shape:
+    """The program a fed variant reaches (itself when not fed; no copy on the step's path)."""
+    return dataclasses.replace(shape, fed=False) if shape.fed else shape
+
+
 class Runner:
     def __init__(self, model: Llama, config: RunnerConfig,
                  proposer: "Proposer | None" = None, mesh: jax.sharding.Mesh | None = None
@@ -561,7 +566,7 @@ class Runner:
     def _ran(self, shape: Shape) -> None:
         """Marks `shape` run, once its step has returned: its program is compiled (`ready`
         holds programs: a fed variant's is its twin's)."""
-        self.ready.add(dataclasses.replace(shape, fed=False))
+        self.ready.add(_unfed(shape))
         self.device_steps.programs.ran.add((shape, self._layout))
 
     @contextlib.contextmanager
@@ -569,8 +574,7 @@ class Runner:
         """Around the step that runs `shape`: announces a program nothing over these weights ran
         (its step compiles it, or loads it from the persistent cache)."""
         # A fed variant's program is its twin's, which it reuses unless JAX dropped it since.
-        twin = dataclasses.replace(shape, fed=False)
-        if not self._compiled(shape) and not (shape.fed and self._compiled(twin)):
+        if not self._compiled(shape) and not (shape.fed and self._compiled(_unfed(shape))):
             if shape.constrained or shape.logprobs:
                 logger().info("compiling the %s (a variant compiled on its first use only)",
                               shape)

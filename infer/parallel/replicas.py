@@ -4,9 +4,9 @@ scheduler, page allocator and KV cache, behind one front with the engine's reque
 A request goes to one replica for its whole life (its KV lives there): the least loaded one
 (fewest unfinished requests, ties to the lowest index), or with `routing="prefix"`, among the
 replicas with a free slot, the one whose prefix cache holds the most of its prompt, load
-breaking ties. Under the static policy a request first joins the fullest batch still forming. Ids are the front's, so they are
-unique across replicas. `step()` steps every replica that has work and returns their outputs
-together; `LLM.generate` puts them back in prompt order.
+breaking ties. Under the static policy a request first joins the fullest batch still forming.
+Ids are the front's, so they are unique across replicas. `step()` steps every replica that has
+work and returns their outputs together; `LLM.generate` puts them back in prompt order.
 """
 
 from __future__ import annotations
