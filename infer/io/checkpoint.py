@@ -364,7 +364,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     data_start, data_size = 8 + n, size - 8 - n
     raw = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_size,)) \
         if data_size else np.zeros(0, np.uint8)
-    out: dict[str, np.ndarray] = {}
+    entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -372,12 +372,32 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: not a valid safetensors file (bad entry for {name})") from e
-        if dtype not in _SAFETENSORS_DTYPES:
+        if not all(type(x) is int and x >= 0 for x in (*shape, begin, end)):
+            raise ValueError(f"{path}: not a valid safetensors file (bad entry for {name}: "
+                             f"shape {list(shape)}, data_offsets {[begin, end]})")
+        if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype]).newbyteorder("<")
-        if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * np_dtype.itemsize:
+        if not begin <= end <= data_size or end - begin != math.prod(shape) * np_dtype.itemsize:
             raise ValueError(f"{path}: tensor {name} lies outside the file or has the wrong size "
                              "(corrupt or truncated file?)")
+        entries.append((begin, end, name, dtype, shape, np_dtype))
+    # The format's tensors tile the data exactly, as the safetensors library checks: two that
+    # share bytes or a gap between them mean a corrupt header, whose tensors would load as
+    # another weight's values or as garbage.
+    entries.sort(key=lambda e: (e[0], e[1]))
+    covered = 0
+    for begin, end, name, *_ in entries:
+        if begin != covered:
+            what = ("overlaps another tensor" if begin < covered
+                    else f"leaves bytes {covered}-{begin} unused")
+            raise ValueError(f"{path}: not a valid safetensors file (tensor {name} {what})")
+        covered = end
+    if covered != data_size:
+        raise ValueError(f"{path}: not a valid safetensors file ({data_size - covered} bytes "
+                         "after the last tensor)")
+    out: dict[str, np.ndarray] = {}
+    for begin, end, name, dtype, shape, np_dtype in entries:
         w = raw[begin:end].view(np_dtype).reshape(shape)
         if dtype == "BF16":
             # bfloat16 is the upper half of a float32: widen the bits, exact.

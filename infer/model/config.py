@@ -126,8 +126,11 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     model_type = raw.get("model_type", "llama")
     if model_type not in ("llama", "mistral"):
         raise ValueError(f"{where}: model_type {model_type!r} is not supported (only llama)")
-    if raw.get("sliding_window") is not None and model_type == "mistral":
-        raise ValueError(f"{where}: sliding-window attention is not supported")
+    # transformers' MistralConfig gives a config without the key a 4096-token window.
+    if model_type == "mistral" and raw.get("sliding_window", 4096) is not None:
+        window = raw.get("sliding_window", "4096, the default when the key is absent")
+        raise ValueError(f"{where}: sliding-window attention is not supported (sliding_window "
+                         f"{window}; null means full attention)")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ValueError(f"{where}: {flag}=true is not supported")
@@ -140,6 +143,11 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
 
     # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
     rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    if "rope_theta" in raw and "rope_theta" in rope_params \
+            and raw["rope_theta"] != rope_params["rope_theta"]:
+        # transformers 4 reads the first, 5 the second: the file means two different models.
+        raise ValueError(f"{where}: rope_theta {raw['rope_theta']!r} and rope_parameters' "
+                         f"rope_theta {rope_params['rope_theta']!r} differ")
     theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     scaling = raw.get("rope_scaling") or None
     if scaling is None and rope_params.get("rope_type", "default") != "default":

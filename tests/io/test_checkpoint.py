@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from infer.io.checkpoint import (GGUFTokenizerData, HFTokenizerDir, read_checkpoint, read_gguf,
-                                 read_hf_dir, smollm2_gguf_path)
+                                 read_hf_dir, smollm2_gguf_path, _read_safetensors)
 from infer.model.config import PRESETS, LlamaConfig
 
 torch = pytest.importorskip("torch")
@@ -516,3 +516,99 @@ def test_hf_config_malformed_field(tmp_path, bad: dict) -> None:
         LlamaConfig.from_json_file(path)
     with pytest.raises(ValueError, match=field):
         LlamaConfig.from_hf_dict(hf | bad)
+
+
+def _write_safetensors(path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_safetensors_headers_against_the_library(tmp_path, seed: int) -> None:
+    # Random files, valid and corrupted (an offset moved so two tensors share bytes, a gap, bytes
+    # past the last tensor, a non-integer or negative field): the reader loads what the
+    # safetensors library loads, with the same values, and refuses what it refuses, by a
+    # ValueError naming the file. It used to load aliased, overlapping and gapped tensors.
+    from safetensors.torch import load_file  # numpy has no bfloat16
+
+    rng = np.random.default_rng(seed)
+    for case in range(40):
+        dtypes = rng.choice(["F32", "F16", "BF16"], size=int(rng.integers(1, 5)))
+        header, chunks, offset = {}, [], 0
+        for i, dtype in enumerate(dtypes):
+            shape = [int(d) for d in rng.integers(0, 4, size=int(rng.integers(0, 3)))]
+            values = rng.standard_normal(shape).astype(np.float32)
+            if dtype == "F16":
+                raw = values.astype(np.float16).tobytes()
+            else:
+                raw = values.tobytes() if dtype == "F32" else \
+                    (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+            header[f"t{i}"] = {"dtype": str(dtype), "shape": shape,
+                               "data_offsets": [offset, offset + len(raw)]}
+            chunks.append(raw)
+            offset += len(raw)
+        data = b"".join(chunks)
+        corruption = rng.choice(["none", "move", "trailing", "float", "negative"])
+        entry = header[f"t{int(rng.integers(len(dtypes)))}"]
+        if corruption == "move" and offset:
+            # Move one tensor's range inside the data, keeping its size.
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            begin = int(rng.integers(0, offset - size + 1))
+            entry["data_offsets"] = [begin, begin + size]
+        elif corruption == "trailing":
+            data += b"\x00" * int(rng.integers(1, 9))
+        elif corruption == "float":
+            entry["data_offsets"] = [float(x) for x in entry["data_offsets"]]
+        elif corruption == "negative" and entry["shape"]:
+            entry["shape"][0] = -1 - entry["shape"][0]
+        path = tmp_path / f"{case}.safetensors"
+        _write_safetensors(path, header, data)
+        try:
+            expected = load_file(str(path))
+        except Exception:  # the library's own error type
+            expected = None
+        if expected is None:
+            with pytest.raises(ValueError, match=re.escape(str(path))):
+                _read_safetensors(str(path))
+            continue
+        got = _read_safetensors(str(path))
+        assert got.keys() == expected.keys()
+        for name, want in expected.items():
+            np.testing.assert_array_equal(got[name], want.float().numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("window", ["absent", None, 4096, 128])
+def test_mistral_window_as_transformers_reads_it(tmp_path, window) -> None:
+    # A Mistral config without the key has transformers' default 4096-token window; infer ran
+    # it with full attention. Loaded only where transformers reads full attention.
+    hf = dict(model_type="mistral", vocab_size=64, hidden_size=64, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=4)
+    if window != "absent":
+        hf["sliding_window"] = window
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    if transformers.AutoConfig.from_pretrained(str(tmp_path)).sliding_window is None:
+        assert LlamaConfig.from_json_file(path).num_heads == 4
+        return
+    with pytest.raises(ValueError, match=r"config\.json: sliding-window attention"):
+        LlamaConfig.from_json_file(path)
+
+
+@pytest.mark.parametrize("top,nested", [(None, 5e5), (5e5, None), (5e5, 5e5), (1e4, 5e5)])
+def test_rope_theta_in_both_places(tmp_path, top, nested) -> None:
+    # transformers 4 reads the top-level rope_theta, 5 the one in rope_parameters: loaded where
+    # both agree (or one is given), refused where they name different frequencies.
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=4)
+    if top is not None:
+        hf["rope_theta"] = top
+    if nested is not None:
+        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": nested}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    if top is not None and nested is not None and top != nested:
+        with pytest.raises(ValueError, match=r"config\.json: rope_theta 10000\.0 and "
+                                             r"rope_parameters' rope_theta 500000\.0 differ"):
+            LlamaConfig.from_json_file(path)
+        return
+    assert LlamaConfig.from_json_file(path).rope_theta == (top if top is not None else nested)
