@@ -40,7 +40,7 @@ SUPPORTED_KV_FORMATS: tuple[str, ...] = (
 # Formats of the paged cache alone, laid out per page rather than per vector, so not formats of
 # the functions here or of the kernels: int4_kivi (`infer.cache.kivi`).
 PAGE_FORMATS: tuple[str, ...] = ("int4_kivi",)
-_UNSCALED = ("float32", "bfloat16", "float16")
+UNSCALED_FORMATS: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 INT4_GROUP = 32
 # Short names people use for cache formats; fp8 means e4m3 (vLLM's kv_cache_dtype="fp8" too).
@@ -125,7 +125,7 @@ def scale_groups(D: int, kv_format: str) -> int:
     """Number of scale entries per stored vector (last dim of `scales`); 0 when unscaled.
     For int4, a scale and a low value per group."""
     kv_format = check_kv_format(kv_format)
-    if kv_format in _UNSCALED:
+    if kv_format in UNSCALED_FORMATS:
         return 0
     if kv_format == "int4":
         stored_head_dim(D, kv_format)  # validates D
@@ -138,6 +138,17 @@ def bytes_per_token_per_head(D: int, kv_format: str) -> int:
     kv_format = check_kv_format(kv_format)
     return (stored_head_dim(D, kv_format) * storage_dtype(kv_format).itemsize
             + jnp.dtype(SCALE_DTYPE).itemsize * scale_groups(D, kv_format))
+
+
+def _stored_scale(scale: jax.Array) -> jax.Array:
+    """A float32 scale rounded to SCALE_DTYPE's precision, still float32, for the data to be
+    quantized against the scale as stored. Not `.astype(SCALE_DTYPE)` and back: XLA's excess
+    precision pass may drop that round trip inside a fusion, for some shapes only (int4 codes
+    of 4096 x 64 vectors broke the half-step bound, and a vector's codes depended on the batch
+    it came in); reduce_precision is never dropped."""
+    info = jnp.finfo(SCALE_DTYPE)
+    return jax.lax.reduce_precision(scale.astype(jnp.float32), exponent_bits=info.nexp,
+                                    mantissa_bits=info.nmant)
 
 
 def _safe_div(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -155,30 +166,30 @@ def quantize(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None]
 # jit: eager dispatch compiles each small op separately, which is slow for int4's dozen ops.
 @functools.partial(jax.jit, static_argnames="kv_format")
 def _quantize(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None]:
-    if kv_format in _UNSCALED:
+    if kv_format in UNSCALED_FORMATS:
         return x.astype(kv_format), None
     x = x.astype(jnp.float32)
     if kv_format == "int8":
-        scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0).astype(SCALE_DTYPE)
+        scale = _stored_scale(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0)
         data = jnp.clip(jnp.round(_safe_div(x, scale)), -127, 127).astype(jnp.int8)
-        return data, scale
+        return data, scale.astype(SCALE_DTYPE)
     if kv_format in _FP8:
         fmax = float(jnp.finfo(kv_format).max)
-        scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / fmax).astype(SCALE_DTYPE)
+        scale = _stored_scale(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / fmax)
         # Clip: x / scale can land a rounding step above fmax, and e4m3fn has no inf (NaN).
         data = jnp.clip(_safe_div(x, scale), -fmax, fmax).astype(kv_format)
-        return data, scale
+        return data, scale.astype(SCALE_DTYPE)
     # int4
     D = x.shape[-1]
     g = int4_group(D)
     xg = x.reshape(*x.shape[:-1], D // g, g)
     low = _floor_to_scale_dtype(jnp.min(xg, axis=-1))  # [..., D // g], <= every value
     # The range from the stored low, so the stored pair spans the group: no value clips.
-    scale = ((jnp.max(xg, axis=-1) - low.astype(jnp.float32)) / 15.0).astype(SCALE_DTYPE)
+    scale = _stored_scale((jnp.max(xg, axis=-1) - low.astype(jnp.float32)) / 15.0)
     q = jnp.clip(jnp.round(_safe_div(xg - low[..., None], scale[..., None])), 0, 15)
     q = q.astype(jnp.int32).reshape(x.shape)
     data = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(jnp.uint8)
-    return data, jnp.concatenate([scale, low], axis=-1)
+    return data, jnp.concatenate([scale.astype(SCALE_DTYPE), low], axis=-1)
 
 
 def _floor_to_scale_dtype(x: jax.Array) -> jax.Array:
@@ -199,7 +210,7 @@ def dequantize_planes(data: jax.Array, scales: jax.Array | None, kv_format: str)
     plane of q, which avoids an in-kernel lane interleave; `dequantize` interleaves them.
     """
     kv_format = resolve_kv_format(kv_format)  # plain Python on a static name: free under tracing
-    if kv_format in _UNSCALED:
+    if kv_format in UNSCALED_FORMATS:
         return (data.astype(jnp.float32),)
     if kv_format != "int4":
         return (data.astype(jnp.float32) * scales.astype(jnp.float32),)
@@ -237,15 +248,18 @@ def dequantize(
 ) -> jax.Array:
     """(data [..., Ds], scales [..., groups] | None) -> [..., D] in `dtype`."""
     kv_format = check_kv_format(kv_format)
-    if (scales is None) != (kv_format in _UNSCALED):
+    if (scales is None) != (kv_format in UNSCALED_FORMATS):
         raise ValueError(f"kv_format {kv_format!r} {'needs' if scales is None else 'takes no'} scales")
     # Data of another dtype (a cache's integer bits, `to_bits`) or scales of another group
     # count would dequantize to plausible-looking wrong numbers: refuse them by name.
     stored = storage_dtype(kv_format)
-    if (not jnp.issubdtype(data.dtype, jnp.floating) if kv_format in _UNSCALED
+    if (not jnp.issubdtype(data.dtype, jnp.floating) if kv_format in UNSCALED_FORMATS
             else data.dtype != stored):
         raise ValueError(f"kv_format {kv_format!r} stores {stored} data, got {data.dtype} "
                          f"(bits held as integers go through from_bits first)")
+    if scales is not None and not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"kv_format {kv_format!r} takes {jnp.dtype(SCALE_DTYPE).name} scales, "
+                         f"got {scales.dtype} (bits held as integers go through from_bits first)")
     D = 2 * data.shape[-1] if kv_format == "int4" else data.shape[-1]
     if scales is not None and scales.shape[-1] != scale_groups(D, kv_format):
         raise ValueError(f"kv_format {kv_format!r} at head dim {D} has "

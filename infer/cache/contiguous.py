@@ -43,6 +43,11 @@ class KVCache(WriteThenAttend):
     @staticmethod
     def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype: jnp.dtype = jnp.float32) -> "KVCache":
+        if jnp.dtype(dtype).name not in kv_quant.UNSCALED_FORMATS:
+            # It stores keys as they are: an int8 or float8 cache would truncate or saturate
+            # them (0.13 -> 0, 473 -> NaN in e4m3) with no scale to undo it.
+            raise ValueError(f"the contiguous cache holds {', '.join(kv_quant.UNSCALED_FORMATS)}"
+                             f", got {jnp.dtype(dtype).name} (quantized formats: PagedKVCache)")
         shape = (batch, num_kv_heads, max_len, head_dim)
         held = kv_quant.bits_dtype(dtype)
         zeros = lambda: tuple(jnp.zeros(shape, held) for _ in range(num_layers))

@@ -370,10 +370,19 @@ class PagedKVCache(WriteThenAttend):
         rows = jnp.arange(meta.positions.shape[0], dtype=jnp.int32)
         return rows, -2 - rows  # never a tag the allocator gives (those are >= 0)
 
+    def _ring_entry(self, slot: jax.Array, index: jax.Array) -> jax.Array:
+        """Ring entries of window slots `slot` at indices `index` (< WINDOW_PAGES), broadcast;
+        the entry just past the pool for a slot outside it. Computed before multiplying: the
+        metadata's "no window" slot (int32 max) times WINDOW_PAGES wrapped to -2, which reads
+        and writes the last sequence's window."""
+        w = kivi.WINDOW_PAGES
+        entries = self.k_window[0].shape[0]
+        inside = (slot >= 0) & (slot < entries // w)
+        return jnp.where(inside, jnp.where(inside, slot, 0) * w + index, entries)
+
     def _ring(self, slot: jax.Array) -> jax.Array:
         """[B, W] ring entries of window slots [B] (entries past the pool for slots past it)."""
-        w = kivi.WINDOW_PAGES
-        return slot[:, None] * w + jnp.arange(w, dtype=slot.dtype)[None, :]
+        return self._ring_entry(slot[:, None], jnp.arange(kivi.WINDOW_PAGES, dtype=slot.dtype))
 
     def _window_pages(self, layer: int, slot: jax.Array, tag: jax.Array) -> jax.Array:
         """[B, W] page index whose exact keys and values each ring entry of row b's window holds;
@@ -501,7 +510,8 @@ class PagedKVCache(WriteThenAttend):
         touched = last[:, None] - back  # [B, W] buffer indices of the newest pages touched
         page_index = first_page[:, None] + touched
         entries = jnp.where((touched >= 0) & (meta.q_lens[:, None] > 0),
-                            slot[:, None] * w + page_index % w, self.k_window[layer].shape[0])
+                            self._ring_entry(slot[:, None], page_index % w),
+                            self.k_window[layer].shape[0])
         pick = lambda x: jnp.take_along_axis(
             x, jnp.clip(touched, 0)[:, :, None, None, None], axis=1)
         bf16 = lambda x: kv_quant.to_bits(x.astype(jnp.bfloat16), self.k_window[layer].dtype)

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.kv_quant import (PAGE_FORMATS, check_kv_format, resolve_kv_format, scale_groups,
-                                     storage_dtype, stored_head_dim)
+from kernels_pallas.kv_quant import (PAGE_FORMATS, SCALE_DTYPE, check_kv_format,
+                                     resolve_kv_format, scale_groups, storage_dtype,
+                                     stored_head_dim)
 from kernels_pallas.paged_attention.gpu import call_gpu
 from kernels_pallas.paged_attention.tpu import call_tpu
 
@@ -170,6 +171,10 @@ def _validate(q_shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scale
             got = None if scales is None else scales.shape
             raise ValueError(f"{kv_format} needs {name} of shape {(P, K, G, groups)} "
                              f"(k_pages {k_pages.shape}), got {got}")
+        if groups and not jnp.issubdtype(scales.dtype, jnp.floating):
+            # Scales held as their integer bits would scale by the bits' values.
+            raise ValueError(f"{name} {scales.shape} has dtype {scales.dtype}; scales are "
+                             f"{jnp.dtype(SCALE_DTYPE).name} (bits go through from_bits first)")
     if lengths.shape != (B,):
         raise ValueError(f"lengths {lengths.shape} must be [B] = ({B},) (q {tuple(q_shape)})")
     if page_tables.ndim != 2 or page_tables.shape[0] != B:

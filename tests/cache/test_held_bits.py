@@ -14,10 +14,7 @@ from infer.cache.metadata import AttentionMetadata
 from infer.cache.paged import PagedKVCache
 from kernels_pallas import kv_quant
 
-NARROW = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
-
-
-@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_contiguous_cache_reads_back_what_it_wrote(dtype: str) -> None:
     rng = np.random.default_rng(len(dtype))
     b, k_heads, d, max_len = 3, 2, 8, 16
@@ -65,3 +62,26 @@ def test_paged_cache_reads_back_what_it_wrote(kv_format: str) -> None:
             slot = start + i
             expected[tables[row, slot // g], :, slot % g] = stored[row, i]
     np.testing.assert_array_equal(pages, expected)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2", "int32"])
+def test_contiguous_cache_refuses_formats_that_need_scales(dtype: str) -> None:
+    # It stores keys as they are: int8 truncated 0.13 to 0, e4m3 turned 473 into NaN, silently.
+    with pytest.raises(ValueError, match=f"contiguous cache holds .*got {dtype}"):
+        KVCache.create(1, 1, 4, 1, 8, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "float8_e4m3fn", "int4"])
+def test_scales_held_as_bits_are_refused(kv_format: str) -> None:
+    # On CPU the paged cache holds bfloat16 scales as uint16 bits; passed on as they are, they
+    # scaled by the bits' values (errors near 2e6) with no error.
+    cache = PagedKVCache.create(1, 4, 4, 1, 64, kv_format)
+    data, _, scales, _ = cache.pages(0)
+    held = jax.lax.bitcast_convert_type(scales, jnp.uint16)  # what bits_dtype holds on CPU
+    with pytest.raises(ValueError, match="from_bits first"):
+        kv_quant.dequantize(data, held, kv_format)
+    from kernels_pallas.paged_attention import paged_attention
+    with pytest.raises(ValueError, match="k_scales .* dtype uint16"):
+        paged_attention(jnp.zeros((1, 2, 64), jnp.float32), data, data, jnp.asarray([1]),
+                        jnp.zeros((1, 1), jnp.int32), k_scales=held, v_scales=held,
+                        kv_format=kv_format, interpret=True)

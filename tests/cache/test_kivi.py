@@ -225,6 +225,41 @@ def test_a_window_slot_another_sequence_held_is_read_as_quantized() -> None:
     np.testing.assert_array_equal(np.asarray(keys), 0)  # page 2: never written, not the window
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_row_without_a_window_touches_no_window(seed: int) -> None:
+    """A row whose slot lies outside the ring (paged_metadata's "no window", int32 max, or any
+    other) writes its pages and no window: the ring and its tags stay as the windowed rows left
+    them, and their reads do not change. slot * WINDOW_PAGES wrapped int32 max to -2, whose
+    write landed in the last slot's window."""
+    rng = np.random.default_rng(seed)
+    k, d, g, slots = 1, 16, 4, 3
+    cache = PagedKVCache.create(1, 16, g, k, d, kivi.KIVI_FORMAT, rotate=False,
+                                num_windows=slots)
+    tables = jnp.asarray(rng.permutation(16)[:8].reshape(4, 2).astype(np.int32))
+    windows = jnp.asarray([[s, 10 + s] for s in range(slots)], jnp.int32)
+    owned = AttentionMetadata.for_prefill(jnp.asarray(rng.integers(1, 2 * g + 1, slots)), 2 * g,
+                                          page_tables=tables[:slots])
+    owned = AttentionMetadata(owned.positions, owned.lengths, owned.q_lens, tables[:slots],
+                              windows=windows)
+    x = jnp.asarray(rng.standard_normal((slots, 2 * g, k, d)), jnp.float32)
+    cache = cache.write(0, x, x, owned)
+    q = jnp.asarray(rng.standard_normal((slots, 2 * g, 2, d)), jnp.float32)
+    before = (np.asarray(cache.k_window[0]), np.asarray(cache.window_tags[0]),
+              np.asarray(cache.attend(0, q, owned)))
+    outside = int(rng.choice([np.iinfo(np.int32).max, slots, slots + 7, -1,
+                              np.iinfo(np.int32).max // kivi.WINDOW_PAGES + 1]))
+    n = int(rng.integers(1, 2 * g + 1))
+    alone = AttentionMetadata.for_prefill(jnp.asarray([n]), n, page_tables=tables[slots:])
+    alone = AttentionMetadata(alone.positions, alone.lengths, alone.q_lens, tables[slots:],
+                              windows=jnp.asarray([[outside, -1]], jnp.int32))
+    y = jnp.asarray(rng.standard_normal((1, n, k, d)) * 5, jnp.float32)
+    cache = cache.write(0, y, y, alone)
+    after = (np.asarray(cache.k_window[0]), np.asarray(cache.window_tags[0]),
+             np.asarray(cache.attend(0, q, owned)))
+    for was, now in zip(before, after):
+        np.testing.assert_array_equal(now, was, err_msg=f"slot {outside}")
+
+
 def test_allocator_gives_each_sequence_its_own_window_and_takes_it_back() -> None:
     alloc = PageAllocator(8, 4, num_windows=2)
     a, b = alloc.new_sequence(), alloc.new_sequence()
