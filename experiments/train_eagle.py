@@ -164,6 +164,7 @@ def losses(head, target, hidden, tokens, lengths, target_argmax, *, cls_weight, 
         hits = hits[:, :-1] * m["hit"]
         m["predicted"] = previous
         m["all"] = hits * mask[:, s - 1:]
+        m["valid"] = mask[:, s - 1:]
         m["top1_all"] = m["all"].sum() / jnp.maximum(mask[:, s - 1:].sum(), 1)
         loss = loss + step2_weight * loss_s
         later.append(m)
@@ -238,24 +239,30 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
         gen = generated_mask(prompt_lens, m1["hit"].shape[1], 2) * (
             jnp.arange(m1["hit"].shape[1])[None, :] < lengths[:, None] - 1)
         m_gen = {"top1": (m1["hit"] * gen).sum() / jnp.maximum(gen.sum(), 1), "count": gen.sum()}
-        for s, m in enumerate(later, 2):
-            g = gen[:, :m["all"].shape[1]]
-            m_gen[f"top1_all{s}"] = (m["all"] * g).sum() / jnp.maximum(g.sum(), 1)
-        drop = lambda m: {k: v for k, v in m.items() if k not in ("hit", "all", "target_logits", "predicted")}
-        return (drop(m1), m_gen, *map(drop, later))
+        # Step s's own positions (a target s tokens on) among those: each mean with its own
+        # count, so MetricMeans pools batches by it.
+        gen_later = []
+        for m in later:
+            g = gen[:, :m["all"].shape[1]] * m["valid"]
+            gen_later.append({"top1_all": (m["all"] * g).sum() / jnp.maximum(g.sum(), 1),
+                              "count": g.sum()})
+        drop = lambda m: {k: v for k, v in m.items()
+                          if k not in ("hit", "all", "valid", "target_logits", "predicted")}
+        return (drop(m1), m_gen, *map(drop, later), *gen_later)
 
     def evaluate(params) -> dict:
-        first, gen, *later = trainer.heldout(eval_step, params, tstate)
+        first, gen, *rest = trainer.heldout(eval_step, params, tstate)
+        later, gen_later = rest[:len(rest) // 2], rest[len(rest) // 2:]
         m1, mg = first.means(), gen.means()
         row = {"heldout_loss": m1["loss"], "heldout_reg": m1["reg"], "heldout_ce": m1["ce"],
                "heldout_top1": m1["top1"], "heldout_top1_generated": mg["top1"],
                "heldout_positions": first.count, "heldout_generated_positions": gen.count}
-        for s, m in enumerate((m.means() for m in later), 2):
+        for s, (m, g) in enumerate(zip(later, gen_later), 2):
             # Step 2's names as before the deeper steps: "both" is "all2".
             name = "both" if s == 2 else f"all{s}"
-            row[f"heldout_top1_step{s}"] = m["top1"]
-            row[f"heldout_top1_{name}"] = m["top1_all"]
-            row[f"heldout_top1_{name}_generated"] = mg[f"top1_all{s}"]
+            row[f"heldout_top1_step{s}"] = m.means()["top1"]
+            row[f"heldout_top1_{name}"] = m.means()["top1_all"]
+            row[f"heldout_top1_{name}_generated"] = g.means()["top1_all"]
         return row
 
     log = ResultLog(out)

@@ -111,7 +111,8 @@ class MetricMeans:
         self.count += n
 
     def means(self) -> dict[str, float]:
-        return {k: v / max(self.count, 1.0) for k, v in self.sums.items()}
+        """NaN over no positions (held-out rows too short for a drafted step), not 0."""
+        return {k: v / self.count if self.count else math.nan for k, v in self.sums.items()}
 
 
 class Trainer:

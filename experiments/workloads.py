@@ -227,7 +227,13 @@ def training_prompts(tokenizer: Any, num_sequences: int, prompt_len: int, chat_f
 
 def split_heldout(num_sequences: int, fraction: float = 0.1, seed: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, held-out indices): a fixed random `fraction` of sequences held out."""
-    order = np.random.default_rng(seed).permutation(num_sequences)
-    n_held = max(1, int(round(num_sequences * fraction)))
-    return np.sort(order[n_held:]), np.sort(order[:n_held])
+    """(train indices, held-out indices): row i is held out by the i-th draw of a fixed stream,
+    whatever the number of rows. The data files draw their prompts from one stream
+    (`training_prompts`), so row i of a 384-row file is row i of a 1,600-row one; a split by
+    each file's size held out rows of one file that a head (`--init`) or a draft vocabulary
+    had learned from in another. At least one row is held out (the last, where the stream
+    holds none of the first `num_sequences`)."""
+    held = np.random.default_rng(seed).random(num_sequences) < fraction
+    if num_sequences and not held.any():
+        held[-1] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)

@@ -55,9 +55,21 @@ def test_heldout_split_is_fixed_and_disjoint() -> None:
     train, held = split_heldout(50)
     again_train, again_held = split_heldout(50)
     assert (train == again_train).all() and (held == again_held).all()
-    assert len(held) == 5 and not set(train) & set(held)
+    assert held.size and not set(train) & set(held)
     assert sorted([*train, *held]) == list(range(50))
     assert len(split_heldout(3)[1]) == 1  # at least one held out
+
+
+def test_heldout_split_agrees_between_files_of_any_size() -> None:
+    # Files drawn from one prompt stream share their first rows: a row held out in one is held
+    # out in every other (a 384-row file's split held out rows a 1,600-row file trained on).
+    rng = np.random.default_rng(16)
+    _, held_all = split_heldout(20_000)
+    assert abs(len(held_all) / 20_000 - 0.1) < 0.01
+    for n in rng.integers(30, 20_000, 12):
+        train, held = split_heldout(int(n))
+        assert list(held) == [i for i in held_all if i < n], n
+        assert sorted([*train, *held]) == list(range(n))
 
 
 def test_batches_pad_the_last_one_with_empty_rows() -> None:
