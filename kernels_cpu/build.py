@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,8 +47,9 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
+def _compiler() -> list[str]:
+    """$CXX as make reads it: a command and its arguments (`ccache g++`, `g++ -w`)."""
+    return shlex.split(os.environ.get("CXX", "")) or ["g++"]
 
 
 # What every kernel is compiled with: part of the cache key (`library_path`), so that changing
@@ -58,7 +60,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 def _command(source: Path, extra_flags: tuple[str, ...], output: str) -> list[str]:
     """The compiler's command line: FLAGS, then `extra_flags` (after -march=native's features,
     so that they can turn one off), the headers and `source`, into `output`."""
-    return [_compiler(), *FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir(), "-I",
+    return [*_compiler(), *FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir(), "-I",
             str(HERE), str(source), "-o", output]
 
 
@@ -66,11 +68,11 @@ def library_path(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """Where `build` keeps `source`'s library: named by a hash of the sources, the compiler and
     its version, the jax headers, the CPU, FLAGS and `extra_flags` (not the paths: a checkout
     elsewhere with the same sources shares the library)."""
-    run = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True)
+    run = subprocess.run([*_compiler(), "--version"], capture_output=True, text=True, check=True)
     # Its first line names the compiler; some wrappers print it on stderr, or nothing.
     version = next(iter((run.stdout.strip() or run.stderr.strip()).splitlines()), "")
     texts = [source.read_text(), *(h.read_text() for h in SHARED_HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, _compiler(), version, jax.ffi.include_dir(),
+    key = hashlib.sha256("\0".join([*texts, *_compiler(), version, jax.ffi.include_dir(),
                                      jax.__version__, cpu_flags(), *FLAGS, *extra_flags]
                                     ).encode()).hexdigest()[:16]
     return Path(cache_root()) / "kernels" / f"libinfer_{source.stem}_{key}.so"
@@ -97,6 +99,14 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
                        text=True, check=True)
         os.replace(partial, library)
     return library
+
+
+def build_failure(error: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first `error:` line (GCC ends
+    its output with the offending source line and a caret, not the reason), else its last."""
+    lines = (getattr(error, "stderr", "") or str(error) or repr(error)).strip().splitlines()
+    return next((line.strip() for line in lines if "error:" in line or "#error" in line),
+                lines[-1].strip() if lines else repr(error))
 
 
 class Kernel:
@@ -129,10 +139,8 @@ class Kernel:
         try:
             self._register(())
         except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
             print(f"infer: the CPU {self.source.stem} kernel is off, XLA is used instead: "
-                  f"{detail.strip().splitlines()[-1] if detail.strip() else error}",
-                  file=sys.stderr)
+                  f"{build_failure(error)}", file=sys.stderr)
             return False
         return True
 

@@ -108,8 +108,9 @@ def test_the_library_is_rebuilt_when_the_sources_or_the_compile_flags_change(mon
 
 
 def test_a_compiler_that_names_itself_on_stderr_still_builds(monkeypatch, tmp_path) -> None:
-    """$CXX may be a wrapper that prints its --version on stderr (or prints nothing): the
-    kernels are keyed by what it printed and built, not refused by an IndexError."""
+    """$CXX may be a wrapper that prints its --version on stderr (or prints nothing), or a
+    command with arguments: the kernels are keyed by what it printed and built, not refused by
+    an IndexError or a missing file."""
     import os
 
     from kernels_cpu import build
@@ -117,7 +118,7 @@ def test_a_compiler_that_names_itself_on_stderr_still_builds(monkeypatch, tmp_pa
     source = tmp_path / "kernel.cc"
     source.write_text('extern "C" int infer_test_kernel() { return 7; }\n')
     monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
-    plain, compiler = build.library_path(source), build._compiler()
+    plain, compiler = build.library_path(source), " ".join(build._compiler())
     for name, version in (("stderr", f"{compiler} --version >&2"), ("silent", ":")):
         wrapper = tmp_path / name
         wrapper.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then {version}; exit 0; fi\n'
@@ -126,6 +127,25 @@ def test_a_compiler_that_names_itself_on_stderr_still_builds(monkeypatch, tmp_pa
         monkeypatch.setenv("CXX", str(wrapper))
         assert build.library_path(source) != plain
         assert build.build(source).exists()
+    # A command with arguments, as make reads $CXX: it was run as one file name (ENOENT).
+    monkeypatch.setenv("CXX", f"{compiler} -w")
+    assert build.library_path(source) != plain
+    assert build.build(source).exists()
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path, capsys) -> None:
+    """A kernel that does not build is off with the compiler's reason on stderr: its `#error`
+    line, not GCC's closing caret line under the source it quotes."""
+    from kernels_cpu import build
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cc"
+    source.write_text('#error "this CPU lacks what the kernel needs"\nint x;\n')
+    kernel = build.Kernel(source, "Missing", "infer_test_missing")
+    assert not kernel.available()
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("infer: the CPU kernel kernel is off") and said.endswith(
+        'error: #error "this CPU lacks what the kernel needs"'), said
 
 
 def test_a_built_library_is_readable_by_whom_the_umask_allows(monkeypatch, tmp_path) -> None:
