@@ -347,6 +347,17 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
+def check_tied_head(tensors: Mapping[str, np.ndarray], tied: bool, where: str) -> None:
+    """A tied model's head is its embedding. A file that also holds another `lm_head.weight`
+    is a different model to each reader (transformers 5 unties it and uses the file's head;
+    transformers 4 and vLLM drop it): refused, rather than one reading chosen silently."""
+    head = tensors.get("lm_head.weight")
+    if tied and head is not None and not np.array_equal(
+            head, tensors.get("model.embed_tokens.weight")):
+        raise ValueError(f"{where}: tie_word_embeddings is true, but lm_head.weight is not the "
+                         "embedding (set tie_word_embeddings false to use the file's head)")
+
+
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Parses a safetensors file: u64 header length, JSON header, then raw little-endian data."""
     size = os.path.getsize(path)
@@ -459,6 +470,7 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
             tensors[name] = w
     # Older checkpoints store RoPE's inverse frequencies; they follow from the config.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    check_tied_head(tensors, config["tie_word_embeddings"], path)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     _check_tensors(config, tensors, path)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from infer.io.checkpoint import check_tied_head
 from infer.model.config import LlamaConfig
 from infer.model.llama import Llama
 
@@ -32,6 +33,7 @@ def model_from_hf_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]
     never whole on one device."""
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     h, k, d = config.num_heads, config.num_kv_heads, config.head_dim
+    check_tied_head(tensors, config.tie_word_embeddings, "checkpoint")
     model = nnx.eval_shape(lambda: Llama(config, dtype))  # shapes only: no throwaway init
     taken: set[str] = set()
     take = functools.partial(_take, tensors, taken=taken)

@@ -141,21 +141,31 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(raw.get(key), int):
             raise ValueError(f"{where}: config has no integer {key!r}")
 
-    # transformers 5 moved rope_theta and rope_scaling into one "rope_parameters" dict.
-    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    if "rope_theta" in raw and "rope_theta" in rope_params \
-            and raw["rope_theta"] != rope_params["rope_theta"]:
-        # transformers 4 reads the first, 5 the second: the file means two different models.
-        raise ValueError(f"{where}: rope_theta {raw['rope_theta']!r} and rope_parameters' "
-                         f"rope_theta {rope_params['rope_theta']!r} differ")
-    theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    scaling = raw.get("rope_scaling") or None
-    if scaling is None and rope_params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    # transformers 5 reads RoPE from one dict, "rope_parameters", or from "rope_scaling" (4's
+    # spelling) in its place when a config has one, the dict's rope_theta first; its config and
+    # its rotary embedding disagree on a top-level original_max_position_embeddings.
+    # transformers 4 reads "rope_scaling" and the top-level rope_theta only. A setting given
+    # twice, differently, means a different model to each reader: refused.
+    legacy = raw.get("rope_scaling") or None
+    if legacy is not None and not isinstance(legacy, Mapping):
+        raise ValueError(f"{where}: rope_scaling must be an object, got {legacy!r:.80}")
+    params = legacy if legacy is not None else (
+        raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), Mapping) else {})
+    named = "rope_scaling" if legacy is not None else "rope_parameters"
+    for key in ("rope_theta", "original_max_position_embeddings"):
+        if key in raw and key in params and raw[key] != params[key]:
+            raise ValueError(f"{where}: {key} {raw[key]!r} and {named}' {key} {params[key]!r} "
+                             "differ (which one a reader takes depends on its version)")
+    if legacy is not None and params.get("rope_theta", raw.get("rope_theta", 10000.0)) \
+            != raw.get("rope_theta", 10000.0):
+        raise ValueError(f"{where}: rope_scaling's rope_theta {params['rope_theta']!r} is not "
+                         "the top-level one (transformers 4 reads only that)")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling = legacy
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
     if scaling is not None:
-        if not isinstance(scaling, Mapping):
-            raise ValueError(f"{where}: rope_scaling must be an object, got {scaling!r:.80}")
-        scaling = dict(scaling)
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         scaling.setdefault("rope_type", scaling.pop("type", None))
         # Older configs spell "no scaling" as an explicit type "default", which HF reads so.
         if scaling["rope_type"] == "default":

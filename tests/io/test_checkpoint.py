@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -612,3 +613,80 @@ def test_rope_theta_in_both_places(tmp_path, top, nested) -> None:
             LlamaConfig.from_json_file(path)
         return
     assert LlamaConfig.from_json_file(path).rope_theta == (top if top is not None else nested)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rope_settings_read_as_transformers_reads_them(tmp_path, seed: int) -> None:
+    # Random spellings of RoPE (top-level rope_theta and original_max_position_embeddings,
+    # transformers 5's rope_parameters, 4's rope_scaling, each with or without a theta; llama3
+    # or default): a config infer loads rotates as transformers 5 reads it. A legacy
+    # rope_scaling beside rope_parameters took the latter's theta, which transformers ignores;
+    # a theta inside rope_scaling lost to the top-level one. Where readers disagree (a
+    # top-level original_max_position_embeddings beside the dict's), the config is refused.
+    rng = np.random.default_rng(seed)
+    base = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=4)
+    thetas = [1e4, 1e5, 5e5]
+    loaded = 0
+    for case in range(40):
+        hf = dict(base)
+        if rng.random() < 0.5:
+            hf["rope_theta"] = float(rng.choice(thetas))
+        if rng.random() < 0.3:
+            hf["original_max_position_embeddings"] = int(rng.choice([8, 16]))
+        for key in ("rope_parameters", "rope_scaling"):
+            if rng.random() < 0.5:
+                d = ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0} if rng.random() < 0.6 else {"rope_type": "default"})
+                if d["rope_type"] == "llama3" and rng.random() < 0.7:
+                    d["original_max_position_embeddings"] = int(rng.choice([8, 16]))
+                if rng.random() < 0.5:
+                    d["rope_theta"] = float(rng.choice(thetas))
+                hf[key] = d
+        directory = tmp_path / str(case)
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(hf))
+        try:
+            want = transformers.AutoConfig.from_pretrained(str(directory)).rope_parameters
+        except Exception:  # transformers refuses it (a llama3 dict missing a field)
+            want = None
+        try:
+            ours = LlamaConfig.from_json_file(directory / "config.json")
+        except ValueError:
+            continue
+        assert want is not None, hf
+        loaded += 1
+        assert ours.rope_theta == want["rope_theta"], hf
+        if want["rope_type"] == "default":
+            assert ours.rope_scaling is None, hf
+            continue
+        assert dataclasses.asdict(ours.rope_scaling) == {
+            k: want[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings")}, hf
+    assert loaded >= 8  # enough of the spellings are read, not refused
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_config_with_its_own_head(tmp_path, same: bool) -> None:
+    # A tied config whose file also holds lm_head.weight: the embedding's copy loads as tied; a
+    # different head (transformers 5 uses it, 4 and vLLM drop it) was dropped silently, giving
+    # other logits than transformers 5's. Refused, by both ways into the model.
+    from safetensors.numpy import save_file
+
+    from infer.io.hf_weights import model_from_hf_tensors
+
+    model = _tiny_llama(tmp_path, tied=True)
+    tensors = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    if not same:
+        tensors["lm_head.weight"][int(np.random.default_rng(0).integers(96)), 3] += 0.5
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = LlamaConfig.from_json_file(tmp_path / "config.json")
+    if same:
+        assert "lm_head.weight" not in read_hf_dir(tmp_path).tensors
+        model_from_hf_tensors(config, tensors)
+        return
+    with pytest.raises(ValueError, match="tie_word_embeddings is true, but lm_head.weight is not"):
+        read_hf_dir(tmp_path)
+    with pytest.raises(ValueError, match="tie_word_embeddings is true, but lm_head.weight is not"):
+        model_from_hf_tensors(config, tensors)
