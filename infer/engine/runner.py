@@ -89,8 +89,9 @@ class RunnerConfig:
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
         """Chunk lengths: powers of two, and 1.5 times each where one page-table width serves
-        every length (each chunk bucket is then one program, not one per width)."""
-        top = self.max_prefill_tokens
+        every length (each chunk bucket is then one program, not one per width). None past
+        max_model_len: no chunk is longer than a sequence, and warm-up compiles each bucket."""
+        top = min(self.max_prefill_tokens, self.max_model_len)
         buckets = powers_of_two(min(MIN_PREFILL_TOKENS, top), top)
         return with_midpoints(buckets) if len(self.window_buckets) == 1 else buckets
 

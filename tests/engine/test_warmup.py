@@ -34,6 +34,25 @@ def test_shapes_list_the_one_row_verify_whose_tokens_are_a_prefill_bucket(tiny_m
     assert len(shapes) == 2 * (2 + 2 + 1)  # per width: 2 decodes, 2 verifies, 1 prefill
 
 
+def test_chunk_buckets_cover_every_chunk_and_stop_at_the_longest_sequence() -> None:
+    # A chunk holds at most min(max_prefill_tokens, max_model_len) tokens: every length up to
+    # that has a bucket, and none lies past it (max_model_len 31 with 64-token chunks compiled
+    # programs of 48 and 64 tokens, twice with mixed steps, that no step could run).
+    from infer.engine.buckets import bucket_for
+
+    rng = np.random.default_rng(17)
+    for _ in range(40):
+        page_size = int(rng.choice([1, 4, 16]))
+        config = RunnerConfig(num_pages=8, page_size=page_size,
+                              max_prefill_tokens=int(rng.integers(1, 300)),
+                              max_model_len=int(rng.integers(page_size, 300)),
+                              min_window=int(rng.choice([16, 1 << 20])))
+        longest = min(config.max_prefill_tokens, config.max_model_len)
+        buckets = config.prefill_buckets
+        assert buckets[-1] == longest, (config, buckets)
+        assert all(bucket_for(n, buckets) >= n for n in range(1, longest + 1))
+
+
 def test_min_window_is_a_validated_config_field(tiny_model) -> None:
     """The smallest attention window is the config's (it was a module global that a script
     overwrote for every engine in the process), passed down from the engine's config."""
