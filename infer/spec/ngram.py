@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from infer.engine.plan import PrefillChunk, SeqState
-from infer.spec.proposer import catch_up, pack_drafts
+from infer.spec.proposer import index_for, observe_chunks, pack_drafts
 
 
 def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -95,14 +95,11 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
         self._indexes: dict[str, NgramIndex] = {}
 
+    def _new_index(self) -> NgramIndex:
+        return NgramIndex(max_n=self.max_n, min_n=self.min_n)
+
     def _index(self, seq: SeqState) -> NgramIndex:
-        request = seq.request
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = self._indexes[request.request_id] = NgramIndex(max_n=self.max_n,
-                                                                   min_n=self.min_n)
-        catch_up(index, request)
-        return index
+        return index_for(self._indexes, self._new_index, seq.request)
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, None]:
@@ -115,7 +112,7 @@ class NgramProposer:
         pass  # the index catches up from the request's tokens at the next proposal
 
     def observe_prefill(self, chunks: Sequence[PrefillChunk], hidden: jax.Array) -> None:
-        pass
+        observe_chunks(self._indexes, self._new_index, chunks)
 
     def warmup(self) -> int:
         return 0

@@ -62,7 +62,7 @@ import numpy as np
 from infer.engine.plan import PrefillChunk, SeqState
 from infer.engine.request import Request
 from infer.sampling_params import is_integer, is_real
-from infer.spec.proposer import catch_up, pack_drafts
+from infer.spec.proposer import index_for, observe_chunks, pack_drafts
 
 _NONE, _STALE = -1, -2  # a node's best child when it has none / when it must be rescanned
 
@@ -395,13 +395,11 @@ class SuffixProposer:
         # finished, so that forget can add it to the corpus.
         self._requests: dict[str, Request] = {}
 
+    def _new_index(self) -> SuffixIndex:
+        return SuffixIndex(self.depth)
+
     def _index(self, seq: SeqState) -> SuffixIndex:
-        request = seq.request
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = self._indexes[request.request_id] = SuffixIndex(self.depth)
-        catch_up(index, request)
-        return index
+        return index_for(self._indexes, self._new_index, seq.request)
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, None]:
@@ -426,6 +424,7 @@ class SuffixProposer:
         # preempted one whose recompute emits its last token. It should reach the corpus too.
         for chunk in chunks:
             self._requests.setdefault(chunk.seq.request.request_id, chunk.seq.request)
+        observe_chunks(self._indexes, self._new_index, chunks)
 
     def warmup(self) -> int:
         return 0
