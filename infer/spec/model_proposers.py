@@ -201,6 +201,7 @@ class _ModelProposer:
 
     catch_up_width: int
     samples_drafts = True
+    state_from_tokens = False  # it follows the target's KV pages, which a preemption drops
     feature_layers: tuple[int, ...] = ()  # the EAGLE proposer takes its head's
 
     def __init__(self, config: "RunnerConfig", num_layers: int, num_kv_heads: int,

@@ -89,6 +89,7 @@ class NgramProposer:
 
     samples_drafts = False
     feature_layers: tuple[int, ...] = ()
+    state_from_tokens = True
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         _check(0, max_n, min_n)  # here, not at a request's first step

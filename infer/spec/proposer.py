@@ -27,6 +27,9 @@ class Proposer(Protocol):
     # The target's layers whose outputs come with its final hidden states in the `hidden`
     # that commit and observe_prefill see (`Llama.__call__`): () for all but an EAGLE-3 head.
     feature_layers: tuple[int, ...]
+    # Its per-request state follows from the request's tokens alone (a host proposer's index),
+    # so a preemption, which keeps the tokens and drops the pages, leaves it valid.
+    state_from_tokens: bool
 
     def propose(self, seqs: Sequence[SeqState], limits: Sequence[int], rows: int, k: int
                 ) -> tuple[np.ndarray, np.ndarray, jax.Array | None]: ...

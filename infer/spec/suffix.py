@@ -381,6 +381,7 @@ class SuffixProposer:
 
     samples_drafts = False
     feature_layers: tuple[int, ...] = ()
+    state_from_tokens = True
 
     def __init__(self, max_match: int = 16, spec_factor: float = 2.0, min_prob: float = 0.5,
                  max_draft: int = 16, corpus_tokens: int = 16384,

@@ -267,3 +267,28 @@ def test_model_drafts_near_max_model_len(tiny_model, tiny_weights, method) -> No
         plain, _ = serve(tiny_model, None, [prompt], None, params, max_model_len=32)
         out, stats = serve(tiny_model, None, [prompt], spec, params, max_model_len=32)
         assert out == plain and stats["proposed"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_host_proposers_index_survives_preemption(tiny_model, method: str) -> None:
+    # A host proposer's index follows from the request's tokens, which a preemption keeps: it
+    # is built once per request, chunk by chunk, not again after each preemption (a 64k-token
+    # prompt's suffix index took 1.4 s to rebuild), and greedy outputs stay plain decoding's.
+    rng = np.random.default_rng(19)
+    prompts = [rng.integers(1, TINY.vocab_size, int(rng.integers(8, 30))).tolist()
+               for _ in range(6)]
+    greedy = SamplingParams(max_tokens=14, ignore_eos=True)
+    overrides = dict(num_pages=12, max_num_seqs=4)
+    plain, _ = serve(tiny_model, None, prompts, None, greedy, **overrides)
+    engine = Engine(tiny_model, None, EngineConfig(max_prefill_tokens=16, max_model_len=96,
+                                                   page_size=4, **overrides,
+                                                   speculative=SpeculativeConfig(method, 3)))
+    proposer, built = engine.runner.proposer, []
+    make = proposer._new_index
+    proposer._new_index = lambda: built.append(1) or make()
+    ids = [engine.add_request(prompt_token_ids=p, params=greedy) for p in prompts]
+    engine.run_until_done()
+    outputs = [engine.output(i) for i in ids]
+    assert [o.token_ids for o in outputs] == plain
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert len(built) == len(prompts)
