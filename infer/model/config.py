@@ -134,7 +134,7 @@ def normalize_hf_config(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ValueError(f"{where}: {flag}=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: one function
         raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):

@@ -179,6 +179,12 @@ def test_config_from_hf_dict_checked_as_loading_is(tmp_path) -> None:
             LlamaConfig.from_json_file(tmp_path / "config.json")
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         LlamaConfig.from_hf_dict(config | {"hidden_act": "gelu"})
+    # transformers' "swish" is SiLU itself (it was refused).
+    from transformers.activations import ACT2FN
+    x = torch.randn(64)
+    assert torch.equal(ACT2FN["swish"](x), ACT2FN["silu"](x))
+    assert LlamaConfig.from_hf_dict(config | {"hidden_act": "swish"}) == \
+        LlamaConfig.from_hf_dict(config)
 
 
 @pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor",
