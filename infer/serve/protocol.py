@@ -106,6 +106,10 @@ _NEUTRAL: dict[str, tuple] = {
     "functions": (None, []), "continue_final_message": (None, False),
     "chat_template_kwargs": (None, {}), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
+    # vLLM's extensions that change the tokens or the text: unknown fields are ignored, and
+    # these would then give other results than a client asked for, without a sign.
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "spaces_between_special_tokens": (None, True),
 }
 # vLLM's structured-output fields before 0.12, which removed them for `structured_outputs`: a
 # client still sending them expects a constraint, so they are refused, with the new spelling.

@@ -255,6 +255,10 @@ BAD = [
                                              "response_format"),
     (dict(temperature=10**400), "temperature"), (dict(top_p=-10**400), "top_p"),
     (dict(add_special_tokens="no"), "add_special_tokens"),
+    # vLLM extensions that change the output were ignored as unknown fields.
+    (dict(truncate_prompt_tokens=2), "truncate_prompt_tokens"),
+    (dict(allowed_token_ids=[5, 6]), "allowed_token_ids"), (dict(bad_words=["the"]), "bad_words"),
+    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
 ]
 
 
@@ -300,7 +304,8 @@ def test_errors_through_the_client_and_raw(running) -> None:
 def test_unknown_fields_are_ignored_and_neutral_values_accepted(running) -> None:
     body = {"model": "smollm2-4l", "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
             "some_new_openai_field": {"x": 1}, "presence_penalty": 0, "repetition_penalty": 1.0,
-            "logprobs": None, "best_of": 1, "user": "me"}
+            "logprobs": None, "best_of": 1, "user": "me", "truncate_prompt_tokens": None,
+            "bad_words": [], "spaces_between_special_tokens": True}
     r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
