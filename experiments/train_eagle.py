@@ -163,9 +163,9 @@ def losses(head, target, hidden, tokens, lengths, target_argmax, *, cls_weight, 
                                  vocab=vocab, target_argmax=target_argmax[:, s:])
         hits = hits[:, :-1] * m["hit"]
         m["predicted"] = previous
-        m["all"] = hits * mask[:, s - 1:]
         m["valid"] = mask[:, s - 1:]
-        m["top1_all"] = m["all"].sum() / jnp.maximum(mask[:, s - 1:].sum(), 1)
+        m["all"] = hits * m["valid"]
+        m["top1_all"] = m["all"].sum() / jnp.maximum(m["valid"].sum(), 1)
         loss = loss + step2_weight * loss_s
         later.append(m)
     return loss, m1, later
@@ -258,11 +258,12 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
                "heldout_top1": m1["top1"], "heldout_top1_generated": mg["top1"],
                "heldout_positions": first.count, "heldout_generated_positions": gen.count}
         for s, (m, g) in enumerate(zip(later, gen_later), 2):
+            m, g = m.means(), g.means()
             # Step 2's names as before the deeper steps: "both" is "all2".
             name = "both" if s == 2 else f"all{s}"
-            row[f"heldout_top1_step{s}"] = m.means()["top1"]
-            row[f"heldout_top1_{name}"] = m.means()["top1_all"]
-            row[f"heldout_top1_{name}_generated"] = g.means()["top1_all"]
+            row[f"heldout_top1_step{s}"] = m["top1"]
+            row[f"heldout_top1_{name}"] = m["top1_all"]
+            row[f"heldout_top1_{name}_generated"] = g["top1_all"]
         return row
 
     log = ResultLog(out)

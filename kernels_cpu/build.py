@@ -105,7 +105,7 @@ def build_failure(error: Exception) -> str:
     """The line of a failed build that says why: the compiler's first `error:` line (GCC ends
     its output with the offending source line and a caret, not the reason), else its last."""
     lines = (getattr(error, "stderr", "") or str(error) or repr(error)).strip().splitlines()
-    return next((line.strip() for line in lines if "error:" in line or "#error" in line),
+    return next((line.strip() for line in lines if "error:" in line),
                 lines[-1].strip() if lines else repr(error))
 
 

@@ -372,13 +372,12 @@ class PagedKVCache(WriteThenAttend):
 
     def _ring_entry(self, slot: jax.Array, index: jax.Array) -> jax.Array:
         """Ring entries of window slots `slot` at indices `index` (< WINDOW_PAGES), broadcast;
-        the entry just past the pool for a slot outside it. Computed before multiplying: the
-        metadata's "no window" slot (int32 max) times WINDOW_PAGES wrapped to -2, which reads
-        and writes the last sequence's window."""
-        w = kivi.WINDOW_PAGES
+        the entry just past the pool for a slot outside it (the metadata's "no window" slot,
+        int32 max, times WINDOW_PAGES wrapped to -2, which read and wrote the last sequence's
+        window)."""
         entries = self.k_window[0].shape[0]
-        inside = (slot >= 0) & (slot < entries // w)
-        return jnp.where(inside, jnp.where(inside, slot, 0) * w + index, entries)
+        inside = (slot >= 0) & (slot < entries // kivi.WINDOW_PAGES)
+        return jnp.where(inside, slot * kivi.WINDOW_PAGES + index, entries)
 
     def _ring(self, slot: jax.Array) -> jax.Array:
         """[B, W] ring entries of window slots [B] (entries past the pool for slots past it)."""
