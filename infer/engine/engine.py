@@ -351,7 +351,7 @@ class Engine:
     def _dispatch(self, plan: StepPlan, after: InFlight | None) -> InFlight:
         if self.runner.proposer is not None and not self.runner.proposer.state_from_tokens:
             # A recomputed request's pages will hold other data than its draft state saw. A
-            # host proposer's index stays: rebuilt, a 64k-token prompt's took 1.4 s again.
+            # host proposer's index stays: rebuilt, a long prompt's took seconds again.
             for seq in plan.preempted:
                 self.runner.proposer.forget(seq.request.request_id)
         return self.runner.dispatch(plan, after)

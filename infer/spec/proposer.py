@@ -81,8 +81,8 @@ def index_for(indexes: dict[str, TokenIndex], make: Callable[[], TokenIndex], re
 def observe_chunks(indexes: dict[str, TokenIndex], make: Callable[[], TokenIndex],
                    chunks: Sequence[PrefillChunk]) -> None:
     """A host proposer's indexes caught up with each prefill chunk's tokens, a chunk at a time:
-    built at the first proposal instead, a long prompt's index stalled that whole step (a
-    64k-token prompt's suffix index took 1.4-2.9 s, every row of the batch waiting). Rows
+    built at the first proposal instead, a long prompt's index stalled that whole step for
+    every row of the batch (seconds for a suffix index over tens of thousands of tokens). Rows
     that never draft (logprobs, structured output) build none."""
     for chunk in chunks:
         if not chunk.seq.request.params.plain_steps_only:

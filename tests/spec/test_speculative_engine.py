@@ -272,8 +272,8 @@ def test_model_drafts_near_max_model_len(tiny_model, tiny_weights, method) -> No
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_a_host_proposers_index_survives_preemption(tiny_model, method: str) -> None:
     # A host proposer's index follows from the request's tokens, which a preemption keeps: it
-    # is built once per request, chunk by chunk, not again after each preemption (a 64k-token
-    # prompt's suffix index took 1.4 s to rebuild), and greedy outputs stay plain decoding's.
+    # is built once per request, chunk by chunk, not again after each preemption (a long
+    # prompt's suffix index takes seconds to rebuild), and greedy outputs stay plain decoding's.
     rng = np.random.default_rng(19)
     prompts = [rng.integers(1, TINY.vocab_size, int(rng.integers(8, 30))).tolist()
                for _ in range(6)]

@@ -272,8 +272,8 @@ def test_forget_adds_finished_requests_to_the_corpus() -> None:
 def test_prefill_chunks_build_the_index_as_they_come(make) -> None:
     """Each prefill chunk extends a host proposer's index by its tokens (a recompute's chunks
     hold outputs too), so the first proposal adds only the tokens since: built there, a long
-    prompt's index stalled that step for every row (1.4-2.9 s at 64k tokens). Its proposals
-    are those of an index built at once; a row that never drafts (logprobs) builds none."""
+    prompt's index stalled that step for every row. Its proposals are those of an index
+    built at once; a row that never drafts (logprobs) builds none."""
     rng = np.random.default_rng(18)
     for case in range(30):
         proposer, fresh = make(), make()
