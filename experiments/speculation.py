@@ -262,7 +262,10 @@ class ProposerProbe:
                 "accepted_counts": accepted, "proposed_counts": proposed,
                 "reach_counts": reached,
                 "propose_s": sum(e - s for s, e, _ in self.calls),
-                "propose_calls": len(self.calls)}
+                "propose_calls": len(self.calls),
+                # The calls that drafted, whose time lies inside the verify steps.
+                "drafting_propose_s": sum(e - s for s, e, c in self.calls if any(c)),
+                "drafting_calls": len(verifying)}
 
 
 def verify_records(records: Sequence[Any], probe: ProposerProbe) -> list[Any]:
@@ -362,10 +365,12 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
     else:
         reach = k_mean if depth is None else min(k_mean, depth)
     base_step = base["decode_step_s"]
-    c = (probe["propose_s"] / max(probe["propose_calls"], 1) / k_mean / base_step
-         if probe["propose_calls"] else float("nan"))
-    own_verify = spec["verify_step_s"] - probe["propose_s"] / max(probe["propose_calls"], 1)
-    v = own_verify / base_step
+    # A verify step holds the call that drafted for it: c and v split that step's time between
+    # the two. Calls that drafted nothing (n-gram found no match, a confidence stop) ran in
+    # plain steps; their time, in an average here, lowered c and raised v.
+    propose = probe["drafting_propose_s"] / probe["drafting_calls"] if rows else float("nan")
+    c = propose / k_mean / base_step
+    v = (spec["verify_step_s"] - propose) / base_step
     # Row-steps that verified, among all decode row-steps (n-gram may find nothing to offer),
     # and steps that verified, among all decode steps: a step verifies when any of its rows
     # has drafts, and the rows without ride in it at its cost.

@@ -250,7 +250,8 @@ def engine_host(loaded, ks: list[int], dtype: str) -> dict[int, dict[str, float]
         propose = 0.0
         if probe is not None:
             steps = verify_records(steps, probe)
-            propose = probe.summary()["propose_s"] / max(len(probe.calls), 1)
+            summary = probe.summary()
+            propose = summary["drafting_propose_s"] / max(summary["drafting_calls"], 1)
         out = {f"{prefix}_ms": 1e3 * (np.mean([r.end_s - r.start_s for r in steps]) - propose),
                f"{prefix}_propose_ms": 1e3 * propose}
         for part in parts:

@@ -246,7 +246,9 @@ def test_batch_rows_without_drafts_ride_in_the_verify_step() -> None:
         probe = {"verify_steps": sum(verify), "verify_rows": rows, "proposed": k * rows,
                  "accepted": sum(accepted), "accepted_counts": accepted,
                  "proposed_counts": [k] * rows,
-                 "propose_s": sum(verify) * k * c * base_step, "propose_calls": sum(verify)}
+                 "propose_s": sum(verify) * k * c * base_step, "propose_calls": sum(verify),
+                 "drafting_propose_s": sum(verify) * k * c * base_step,
+                 "drafting_calls": sum(verify)}
         spec = {"probe": probe, "verify_step_s": (k * c + v) * base_step,
                 "decode_steps": steps, "decode_row_steps": batch * steps,
                 "decode_tok_s": 1.0}
@@ -255,3 +257,43 @@ def test_batch_rows_without_drafts_ride_in_the_verify_step() -> None:
         assert row["draft_cost_ratio"] == pytest.approx(c)
         assert row["verify_cost_ratio"] == pytest.approx(v)
         assert row["pred_speedup_mle"] == pytest.approx(tokens / seconds / base_tok_s)
+
+
+def test_calls_that_draft_nothing_leave_c_and_v_alone(monkeypatch) -> None:
+    """A verify step holds one drafting call: c is that call's time per draft and v the rest of
+    the step. Calls that drafted nothing (n-gram without a match, a confidence stop) run in
+    plain steps at any cost, cheaper or dearer than a drafting call; they must not move either
+    (averaged over every call, they lowered c and raised v by the difference). Random mixes of
+    calls through the probe, on a clock each call advances by its own cost."""
+    rng = np.random.default_rng()
+    now = [0.0]
+    monkeypatch.setattr(speculation.time, "perf_counter", lambda: now[0])
+    for _ in range(20):
+        k, base_step = int(rng.integers(1, 9)), 0.01
+        c, v = rng.uniform(0.01, 0.3), rng.uniform(0.9, 2.0)
+        idle_cost = rng.uniform(0.0, 2 * k * c) * base_step
+
+        class Proposer:  # a chain proposer: propose, then commit
+            config = None
+
+            def propose(self, seqs, limits, rows, k, drafting=True):
+                now[0] += k * c * base_step if drafting else idle_cost
+                return None, np.array([k if drafting else 0]), None
+
+            def commit(self, seqs, emitted, *args):
+                pass
+
+        proposer = Proposer()
+        probe = speculation.ProposerProbe(proposer)
+        calls = rng.random(int(rng.integers(2, 40))) < 0.5
+        calls[0] = True
+        for drafting in calls:
+            proposer.propose([None], [k], 1, k, drafting=bool(drafting))
+            proposer.commit([None], [[7] * (1 + int(drafting))])
+        spec = {"probe": probe.summary(), "verify_step_s": (k * c + v) * base_step,
+                "decode_steps": len(calls), "decode_row_steps": len(calls),
+                "decode_tok_s": 1.0}
+        row = speculation.spec_row({"decode_step_s": base_step, "decode_tok_s": 1.0}, spec, k)
+        assert row["verify_rows"] == calls.sum()
+        assert row["draft_cost_ratio"] == pytest.approx(c)
+        assert row["verify_cost_ratio"] == pytest.approx(v)
