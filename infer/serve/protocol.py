@@ -103,7 +103,8 @@ _NEUTRAL: dict[str, tuple] = {
     "logit_bias": (None, {}), "suffix": (None, ""), "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
     "skip_special_tokens": (None, True), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "continue_final_message": (None, False),
+    "functions": (None, []), "function_call": (None, "none"),
+    "continue_final_message": (None, False),
     "chat_template_kwargs": (None, {}), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     # vLLM's extensions that change the tokens or the text: unknown fields are ignored, and
@@ -318,10 +319,12 @@ def chat_logprobs(body: Mapping) -> int | None:
 
 
 def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
-                    structured: StructuredOutput | None = None) -> SamplingParams:
+                    structured: StructuredOutput | None = None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
     """The body's sampling fields with OpenAI's defaults; bad values raise ApiError naming the
     field (SamplingParams' own checks, whose problems each start with the field's name).
-    `logprobs` and `structured` come parsed: their fields differ between endpoints."""
+    `logprobs` and `structured` come parsed: their fields differ between endpoints;
+    `max_tokens_field` is the field the client gave max_tokens in."""
     top_k = _int(body, "top_k", 0)
     if top_k == -1:  # SGLang's "off"; vLLM's is 0
         top_k = 0
@@ -336,7 +339,10 @@ def sampling_params(body: Mapping, max_tokens: int, logprobs: int | None = None,
     except ValueError as e:
         first = str(e).removeprefix("invalid SamplingParams: ").split(";")[0]
         name = first.split(" ", 1)[0]
-        raise ApiError(400, first, name if name in kwargs else None) from None
+        if name == "max_tokens":
+            first, name = max_tokens_field + first.removeprefix(name), max_tokens_field
+        raise ApiError(400, first, name if name in (*kwargs, max_tokens_field) else None
+                       ) from None
 
 
 def _check_common(body: Mapping, served: ServedModel,
@@ -408,13 +414,16 @@ def _requests(make_request: MakeRequest, response_id: str, prompts: Sequence[dic
     return out
 
 
-def _context_check(num_prompt: int, max_tokens: int, served: ServedModel, param: str) -> None:
+def _context_check(num_prompt: int, max_tokens: int, served: ServedModel, param: str,
+                   max_tokens_field: str | None = "max_tokens") -> None:
+    """A prompt (in field `param`) and its completion within the context; the error names the
+    field that asked for the completion's length (None: the prompt alone is too long)."""
     if num_prompt + max_tokens > served.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {served.max_model_len} "
                             f"tokens. However, you requested {num_prompt + max_tokens} tokens "
                             f"({num_prompt} in the {param}, {max_tokens} in the completion). "
                             f"Please reduce the length of the {param} or completion.",
-                       "max_tokens")
+                       max_tokens_field or param)
 
 
 def _prompts(body: Mapping, tokenizer: Tokenizer) -> list[list[int]]:
@@ -487,9 +496,15 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
                continuous_usage=continuous_usage, system_fingerprint=served.fingerprint)
 
 
+# Message fields of an assistant turn that infer cannot render (tools are refused): an empty
+# value, as OpenAI's SDK echoes back in a returned message, is no call.
+_MESSAGE_CALLS = ("tool_calls", "function_call")
+
+
 def chat_messages(messages: object) -> list[dict[str, str]]:
     """OpenAI messages as the chat template's: content a string, or a list of text parts
-    joined (what `vllm bench serve --backend openai-chat` sends); any other part is refused."""
+    joined (what `vllm bench serve --backend openai-chat` sends); any other part is refused.
+    A participant's `name` goes to the template, as vLLM passes it; tool calls are refused."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     out = []
@@ -510,7 +525,17 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text "
                                 f"parts, got {content!r:.80}", "messages")
-        out.append({"role": m["role"], "content": content})
+        for field in _MESSAGE_CALLS:
+            if m.get(field):
+                raise ApiError(400, f"messages[{i}].{field}: tool and function calls are not "
+                                    "supported", "messages")
+        message = {"role": m["role"], "content": content}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise ApiError(400, f"messages[{i}].name must be a string, got "
+                                    f"{m['name']!r:.80}", "messages")
+            message["name"] = m["name"]
+        out.append(message)
     return out
 
 
@@ -537,10 +562,10 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
     max_tokens = _int(body, name, None)
     if max_tokens is None:  # OpenAI's chat default: as long as the context allows
         max_tokens = served.max_model_len - len(prompt_ids)
-        _context_check(len(prompt_ids), 1, served, "messages")
+        _context_check(len(prompt_ids), 1, served, "messages", None)
     structured, structured_param = structured_output(body)
-    params = sampling_params(body, max_tokens, chat_logprobs(body), structured)
-    _context_check(len(prompt_ids), max_tokens, served, "messages")
+    params = sampling_params(body, max_tokens, chat_logprobs(body), structured, name)
+    _context_check(len(prompt_ids), max_tokens, served, "messages", name)
     response_id = _response_id(body, "chatcmpl")
     requests = _requests(make_request, response_id, [dict(prompt_token_ids=prompt_ids)],
                          params, n, arrival_s, "messages", structured_param, stream)

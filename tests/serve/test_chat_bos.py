@@ -1,8 +1,10 @@
-"""The chat endpoint's prompt: the rendered template's own special tokens, as vLLM's, and
-messages the template refuses answered as the client's error."""
+"""The chat endpoint's prompt: the rendered template's own special tokens, as vLLM's, the
+message fields that reach the template, and messages it cannot render (the template refuses
+them, or they carry tool calls) answered as the client's error."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -82,3 +84,81 @@ def test_messages_the_template_refuses_are_a_400(seed: int) -> None:
             with pytest.raises(ApiError) as e:
                 parse_chat(body, served, make_request, 0.0)
             assert e.value.status == 400 and e.value.param == "messages", e.value.envelope()
+
+
+NAMED = "{% for m in messages %}<|{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}|>" \
+        "{{ m.content }}{% endfor %}"
+
+
+@functools.cache
+def _named() -> Tokenizer:
+    return _tokenizer(NAMED)  # one: each build numbers the byte alphabet in its own order
+
+
+def _parse(body: dict) -> dict:
+    served = ServedModel(name="m", root="m", max_model_len=64, max_num_seqs=1,
+                         tokenizer=_named())
+    made: list[dict] = []
+    parse_chat(body, served, lambda **kw: made.append(kw) or kw, 0.0)
+    return made[-1]
+
+
+def test_a_participants_name_reaches_the_template() -> None:
+    """vLLM passes a message's `name` to the template; dropped, a template that renders it
+    gave every speaker the same prompt."""
+    tok = _named()
+    messages = [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": "yes"}, {"role": "user", "content": "hi"}]
+    made = _parse({"messages": messages, "max_tokens": 1})
+    want = tok.encode("<|user:ann|>hi<|assistant|>yes<|user|>hi", add_bos=False)
+    assert made["prompt_token_ids"] == want
+    with pytest.raises(ApiError) as e:
+        _parse({"messages": [{"role": "user", "content": "hi", "name": 3}], "max_tokens": 1})
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tool_calls", [{"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": "{}"}}]),
+    ("function_call", {"name": "f", "arguments": "{}"})])
+def test_an_assistants_tool_call_is_refused_and_an_empty_one_is_none(field, value) -> None:
+    """Tools are refused, so a turn that made a call cannot be rendered: a 400, not a prompt
+    without the call. OpenAI's SDK echoes a returned message with these fields null."""
+    plain = _parse({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "ok"}], "max_tokens": 1})
+    for empty in (None, []):
+        echoed = _parse({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "ok", field: empty,
+                                       "refusal": None}], "max_tokens": 1})
+        assert echoed["prompt_token_ids"] == plain["prompt_token_ids"]
+    with pytest.raises(ApiError) as e:
+        _parse({"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "", field: value}],
+                "max_tokens": 1})
+    assert e.value.status == 400 and e.value.param == "messages" and field in str(e.value)
+
+
+def test_the_deprecated_function_call_field_is_refused() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    _parse(body | {"function_call": "none"})
+    with pytest.raises(ApiError) as e:
+        _parse(body | {"function_call": {"name": "get_weather"}})
+    assert e.value.param == "function_call"
+
+
+@pytest.mark.parametrize("value", [0, -3, 1000])
+def test_a_bad_max_completion_tokens_is_named_as_sent(value: int) -> None:
+    """Chat takes max_completion_tokens for max_tokens: a bad value's error names the field the
+    client sent, not one it never wrote."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for field in ("max_completion_tokens", "max_tokens"):
+        with pytest.raises(ApiError) as e:
+            _parse(body | {field: value})
+        assert e.value.param == field, e.value.envelope()
+        if value < 1:  # SamplingParams' message names the field; the context's is vLLM's text
+            other = ({"max_completion_tokens", "max_tokens"} - {field}).pop()
+            assert field in str(e.value) and other not in str(e.value)
+    # No length asked for and a prompt that fills the context: the prompt is what is too long.
+    with pytest.raises(ApiError) as e:
+        _parse({"messages": [{"role": "user", "content": "x" * 80}]})
+    assert e.value.param == "messages"
