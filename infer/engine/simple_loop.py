@@ -59,6 +59,21 @@ class PagedLayout:
     seed: int = 0
 
 
+def check_loop_params(sampling: Sequence[SamplingParams]) -> None:
+    """Refuses what a loop outside the engine (this one, tree speculation's) cannot honour: it
+    draws tokens and stops where its caller does (max_new_tokens, its eos_ids), so logprobs,
+    structured output and stops asked for in the params would be ignored without a word."""
+    plain = [i for i, p in enumerate(sampling) if p.plain_steps_only]
+    if plain:
+        raise ValueError(f"rows {plain} ask for logprobs or structured output: the engine "
+                         "(LLM, Engine) serves those, loops outside it do not")
+    stopping = [i for i, p in enumerate(sampling) if p.stop or p.stop_token_ids]
+    if stopping:
+        raise ValueError(f"rows {stopping} ask for stop strings or stop_token_ids: the engine "
+                         "(LLM, Engine) stops at those; loops outside it run max_new_tokens "
+                         "steps (generate: until one of its eos_ids)")
+
+
 def decode_stream(model: Llama | DeviceSteps, prompts: Sequence[Sequence[int]],
                   sampling: Sequence[SamplingParams], max_new_tokens: int,
                   cache_dtype: jnp.dtype = jnp.float32,
@@ -75,17 +90,7 @@ def decode_stream(model: Llama | DeviceSteps, prompts: Sequence[Sequence[int]],
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    plain = [i for i, p in enumerate(sampling) if p.plain_steps_only]
-    if plain:
-        raise ValueError(f"rows {plain} ask for logprobs or structured output: the engine "
-                         "(LLM, Engine) serves those, the plain loop does not")
-    # The loop stops where its caller does (`generate`: max_new_tokens and its eos_ids): a stop
-    # asked for in the params would be ignored without a word.
-    stopping = [i for i, p in enumerate(sampling) if p.stop or p.stop_token_ids]
-    if stopping:
-        raise ValueError(f"rows {stopping} ask for stop strings or stop_token_ids: the engine "
-                         "(LLM, Engine) stops at those; the plain loop runs max_new_tokens "
-                         "steps (generate: until one of its eos_ids)")
+    check_loop_params(sampling)
     # The loop stops after max_new_tokens whatever each row's max_tokens says: check that.
     sampling = [dataclasses.replace(p, max_tokens=max_new_tokens).with_resolved_seed()
                 for p in sampling]

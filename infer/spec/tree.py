@@ -52,7 +52,7 @@ from infer.cache.contiguous import KVCache
 from infer.cache.metadata import AttentionMetadata, check_writes
 from infer.engine.buckets import next_power_of_two, prompt_bucket
 from infer.engine.device_steps import DeviceSteps, verify_tree_pass
-from infer.engine.simple_loop import timed_generate
+from infer.engine.simple_loop import check_loop_params, timed_generate
 from infer.model.binding import binding
 from infer.model.llama import Llama
 from infer.sampling import SamplingArrays
@@ -273,6 +273,7 @@ def tree_generate(spec: TreeSpeculator, prompt_ids: Sequence[int], max_new_token
     full_steps: steps that accepted a whole path of `depth`, mean_accepted, tokens_per_step,
     prefill_s, decode_s, decode_tok_s). Exact: greedy output equals the target's greedy
     decoding, sampled output follows its distribution under `sampling`."""
+    check_loop_params([sampling])
     if len(prompt_ids) + max_new_tokens + spec.step_slots > spec.max_len:
         raise ValueError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens + a step's "
                          f"{spec.step_slots} slots exceed max_len={spec.max_len}")

@@ -28,7 +28,7 @@ from infer.engine.device_steps import DeviceSteps
 from infer.engine.simple_loop import generate
 from infer.model.config import get_config
 from infer.model.llama import Llama
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, StructuredOutput
 from infer.spec.eagle_head import EagleHead, from_eagle1
 from infer.spec.tree import TreeSpeculator, eagle_generate, tree_generate
 from infer.spec.tree_draft import TreeShape, full_tree, select_nodes
@@ -291,6 +291,21 @@ def test_a_step_past_max_len_raises(speculators) -> None:
     with pytest.raises(ValueError, match="parents must be"):
         spec.verify(state, np.zeros(spec.num_nodes), np.r_[-1, 2, np.zeros(13, int)])
     spec.step(dataclasses.replace(state, length=jnp.int32(MAX_LEN - spec.num_nodes)))  # fits
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(stop_token_ids=[5]), SamplingParams(stop=["a"]), SamplingParams(logprobs=1),
+    SamplingParams(structured=StructuredOutput(regex="[a-z]+"))],
+    ids=["stop_token_ids", "stop", "logprobs", "structured"])
+def test_tree_generation_refuses_what_the_plain_loop_refuses(speculators, device_steps,
+                                                             params) -> None:
+    """Tree generation runs outside the engine, as the plain loop does: stops, logprobs and
+    structured output asked for in its params would be ignored, so both refuse them alike."""
+    with pytest.raises(ValueError) as plain:
+        generate(device_steps("random"), PROMPT, 4, params)
+    with pytest.raises(ValueError) as tree:
+        tree_generate(speculators("random", 2, 3), PROMPT, 4, params)
+    assert str(tree.value) == str(plain.value)
 
 
 def test_a_wide_dynamic_tree_needs_room_for_the_heads_rows(tiny, device_steps) -> None:
