@@ -29,7 +29,7 @@ from infer.engine.buckets import MIN_WINDOW
 from infer.engine.metrics import StepRecord, StepTimes
 from infer.engine.plan import InFlight, StepPlan
 from infer.engine.request import Request, RequestIds, RequestOutput, validate_request
-from infer.engine.runner import Runner, RunnerConfig
+from infer.engine.runner import Runner, RunnerConfig, check_speculation_fits
 from infer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
 from infer.model.llama import Llama, tile_weights
@@ -97,6 +97,12 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "async_scheduling", "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.speculative is not None:
+            # "auto" is the weights' dtype, never a quantized format.
+            kv_format = (self.kv_cache_dtype if self.kv_cache_dtype == "auto" else
+                         resolve_kv_format(self.kv_cache_dtype, page_formats=True))
+            check_speculation_fits(self.speculative.tree_shape, self.speculative.reserved_slots,
+                                   kv_format, self.mixed_steps)
 
 
 def check_speculation_devices(config: EngineConfig, devices: int) -> None:

@@ -47,6 +47,18 @@ if TYPE_CHECKING:
     from infer.spec.proposer import Proposer
 
 
+def check_speculation_fits(tree: TreeShape | None, num_speculative_tokens: int,
+                           kv_format: str, mixed_steps: bool) -> None:
+    """The step kinds and cache formats speculation cannot run with. Also asked by
+    EngineConfig, so that LLM refuses them before it reads the checkpoint."""
+    if tree is not None and kv_format == kivi.KIVI_FORMAT:
+        raise ValueError(f"tree speculation moves the accepted path's KV token by token, "
+                         f"which {kivi.KIVI_FORMAT}'s per-channel key pages cannot do: use "
+                         f"another kv_cache_dtype or a chain (no tree)")
+    if mixed_steps and num_speculative_tokens:
+        raise ValueError("mixed steps do not combine with speculative decoding")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     num_pages: int
@@ -68,16 +80,12 @@ class RunnerConfig:
     tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
-        if self.tree is not None and self.kv_format == kivi.KIVI_FORMAT:
-            raise ValueError(f"tree speculation moves the accepted path's KV token by token, "
-                             f"which {kivi.KIVI_FORMAT}'s per-channel key pages cannot do: use "
-                             f"another kv_cache_dtype or a chain (no tree)")
+        check_speculation_fits(self.tree, self.num_speculative_tokens, self.kv_format,
+                               self.mixed_steps)
         if self.tree is not None and self.num_speculative_tokens != self.tree.reserved_slots:
             raise ValueError(f"a {self.tree} tree writes {self.tree.reserved_slots} slots past a "
                              f"row's last token: num_speculative_tokens must be that, got "
                              f"{self.num_speculative_tokens}")
-        if self.mixed_steps and self.num_speculative_tokens:
-            raise ValueError("mixed steps do not combine with speculative decoding")
         w = self.min_window
         if not is_integer(w) or w < 1:
             raise ValueError(f"min_window must be a positive number of tokens, got {w!r}")

@@ -280,6 +280,28 @@ def test_llm_rejects_bad_settings_before_reading_the_checkpoint(
     LLM.from_loaded(TINY, tiny_model, None, max_model_len=64, page_size=4)  # the good ones pass
 
 
+@pytest.mark.parametrize("settings, refusal", [
+    (dict(mixed_steps=True, speculative={"method": "ngram"}), "mixed steps"),
+    (dict(kv_cache_dtype="int4_kivi", speculative={"method": "eagle", "tree": "2x2"}),
+     "tree speculation")])
+def test_llm_refuses_what_speculation_cannot_run_with_before_reading(
+        monkeypatch, settings: dict, refusal: str) -> None:
+    """Settings each good alone and not together: refused by the runner and the scheduler,
+    once the checkpoint had been read; a chain over int4_kivi, or mixed steps alone, pass."""
+    import infer.llm
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the settings were checked")
+
+    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
+    with pytest.raises(ValueError, match=refusal):
+        LLM(model="tiny", compilation_cache=False, **settings)
+    for alone in ({"mixed_steps": True}, {"kv_cache_dtype": "int4_kivi",
+                                          "speculative": {"method": "eagle"}}):
+        with pytest.raises(AssertionError, match="the checkpoint was read"):
+            LLM(model="tiny", compilation_cache=False, **alone)
+
+
 def test_llm_refuses_speculation_over_tensor_parallelism_before_reading(monkeypatch) -> None:
     """Found only once the model was read and placed, where the engine refused it; data
     parallelism gives each replica one device and is taken."""
