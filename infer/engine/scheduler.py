@@ -463,10 +463,13 @@ class Scheduler:
                 # Pages of rejected drafts. (Without drafts there are none, and the pages
                 # beyond may be reserved for a step in flight.)
                 self.allocator.truncate(seq.pages, seq.num_computed)
-            if seq.num_computed // self.allocator.page_size > filled_before:
-                self._cache_pages(seq)  # a page just filled
             self._append(seq, tokens, now, lps)
             got_token.append(seq)
+            # A page just filled: offered once the accepted drafts it holds are the request's
+            # tokens (a request that finished offered its pages as it ended).
+            if (seq.status == Status.RUNNING
+                    and seq.num_computed // self.allocator.page_size > filled_before):
+                self._cache_pages(seq)
         return got_token
 
     def _append(self, seq: SeqState, tokens: Sequence[int], now: float,

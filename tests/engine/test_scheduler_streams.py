@@ -130,6 +130,10 @@ def run_stream(seed: int) -> dict[str, int]:
             sched.abort(rng.choice(live).request_id)
         step, in_flight = sched.next_steps(in_flight, runner.dispatch, plan_ahead)
         sched.postprocess(step.plan, step.result())
+        if cache is not None:  # every full computed page offered in the step that filled it
+            for seq in sched.running:
+                full = seq.num_computed // page_size * page_size
+                assert cache.cached_tokens(seq.request.all_token_ids[:full]) == full, seed
         # Idle only with nobody to run: a running request always has a chunk or a row to
         # compute, or is preempted to free pages for one.
         assert step.plan.kind != "idle" or not sched.running, f"seed {seed}: idle step"
