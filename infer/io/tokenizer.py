@@ -33,6 +33,21 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
 
 
+def _byte_level_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 (controls, space, soft hyphen) for 256, 257, ... in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_LEVEL = _byte_level_bytes()
+# Decoders whose pieces token_bytes reads as bytes; Fuse and Strip only join pieces or trim
+# the text's first characters, which no single token's bytes carry.
+_PIECE_DECODERS = {"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"}
+
+
 def _pre_tokenizer(pre: str | None, where: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in (None, "gpt2"):
@@ -291,6 +306,60 @@ class Tokenizer:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
             ids.insert(0, self._bos_id)
         return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text, which decoding it alone can lose: a byte-level
+        token holding part of a UTF-8 character (or a byte-fallback `<0xF0>`) decodes to U+FFFD,
+        while its bytes joined with its neighbours' spell the character (OpenAI's logprob
+        `bytes`). Tokenizers with other decoders give the UTF-8 of the token's text."""
+        piece = None if token_id in self._added_ids else self._tok.id_to_token(token_id)
+        if piece is None or self._piece_decoders is None:
+            return self.decode([token_id]).encode()
+        kinds = {kind for kind, _ in self._piece_decoders}
+        if "ByteLevel" in kinds:
+            if all(ch in _BYTE_LEVEL for ch in piece):
+                return bytes(_BYTE_LEVEL[ch] for ch in piece)
+            return self.decode([token_id]).encode()
+        for kind, args in self._piece_decoders:
+            if kind == "Replace":
+                piece = piece.replace(*args)
+            elif kind == "Metaspace":
+                piece = piece.replace(args, " ")
+        if "ByteFallback" in kinds and len(piece) == 6 \
+                and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _piece_decoders(self) -> tuple[tuple[str, Any], ...] | None:
+        """The decoder's steps that map a token's piece to its text, as (kind, argument) pairs;
+        None when one of them is not read by `token_bytes`."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return None
+        state = json.loads(decoder.__getstate__())
+        steps = state["decoders"] if state["type"] == "Sequence" else [state]
+        out = []
+        for step in steps:
+            kind = step["type"]
+            if kind not in _PIECE_DECODERS:
+                return None
+            if kind == "Replace":
+                if "String" not in step["pattern"]:
+                    return None  # a regex pattern: rare, and its text is decode's
+                out.append((kind, (step["pattern"]["String"], step["content"])))
+            elif kind == "Metaspace":
+                out.append((kind, step.get("replacement", "\u2581")))
+            else:
+                out.append((kind, None))
+        return tuple(out)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`. Ids of the model's padded vocabulary (past the tokenizer's, when it

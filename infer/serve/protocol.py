@@ -8,6 +8,7 @@ otherwise: a silently ignored penalty would give wrong results without any sign.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import logging
 import time
@@ -53,20 +54,22 @@ class ServedModel:
     fingerprint: str | None = None
     # Each id decoded once: a logprobs response names every token and up to 20 alternatives
     # per position, and the same few thousand ids come back request after request.
-    _token_texts: dict[int, str] = dataclasses.field(default_factory=dict, init=False,
-                                                     repr=False, compare=False)
+    _token_pieces: dict[int, tuple[str, bytes]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
                 "root": self.root, "parent": None, "max_model_len": self.max_model_len}
 
-    def token_text(self, token_id: int) -> str:
-        """One token's text as logprobs name it: the tokenizer's decode of that id alone (a
-        byte-level token that is part of a UTF-8 character decodes to U+FFFD)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token as logprobs name it: its text, the tokenizer's decode of that id alone (a
+        byte-level token that is part of a UTF-8 character decodes to U+FFFD, as in vLLM), and
+        its own bytes, which joined spell such a character (OpenAI's `bytes`)."""
+        piece = self._token_pieces.get(token_id)
+        if piece is None:
+            piece = self._token_pieces[token_id] = (self.tokenizer.decode([token_id]),
+                                                    self.tokenizer.token_bytes(token_id))
+        return piece
 
 
 @dataclasses.dataclass
@@ -83,7 +86,7 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     # Set when the request asked for logprobs: the text each token is reported as.
-    token_text: Callable[[int], str] | None = None
+    token_piece: Callable[[int], tuple[str, bytes]] | None = None
     # stream_options.continuous_usage_stats (with include_usage): every event carries its
     # choice's usage so far, as vLLM's do.
     continuous_usage: bool = False
@@ -492,7 +495,7 @@ def parse_completion(body: Mapping, served: ServedModel, make_request: MakeReque
                          params, n, arrival_s, "prompt", structured_param, stream)
     return Job("completion", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
-               served.token_text if params.logprobs is not None else None,
+               served.token_piece if params.logprobs is not None else None,
                continuous_usage=continuous_usage, system_fingerprint=served.fingerprint)
 
 
@@ -571,7 +574,7 @@ def parse_chat(body: Mapping, served: ServedModel, make_request: MakeRequest,
                          params, n, arrival_s, "messages", structured_param, stream)
     return Job("chat", response_id, served.name, int(time.time()), requests, n, stream,
                include_usage, _bool(body, "return_token_ids", False),
-               served.token_text if params.logprobs is not None else None,
+               served.token_piece if params.logprobs is not None else None,
                continuous_usage=continuous_usage, system_fingerprint=served.fingerprint)
 
 
@@ -597,49 +600,60 @@ def _logprob(value: float) -> float:
     return float(value) if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def completion_logprobs_body(token_text: Callable[[int], str], entries: Sequence[TokenLogprob],
-                             text_offset: int = 0) -> dict:
+def completion_logprobs_body(token_piece: Callable[[int], tuple[str, bytes]],
+                             entries: Sequence[TokenLogprob],
+                             cursor: LogprobCursor | None = None) -> dict:
     """Completions' logprobs of `entries`: each token's text, logprob, the top alternatives as
     {text: logprob} (OpenAI's legacy format: the chosen token is always among them, so up to
-    k + 1) and the offset of each token's text, counted from `text_offset`. Alternatives
-    whose texts coincide (partial UTF-8 bytes all decode to U+FFFD) keep the likeliest."""
+    k + 1) and where in the choice's text each token begins, in characters, carried on from
+    `cursor` (a token inside a character that several tokens spell begins at that character).
+    Alternatives whose texts coincide (partial UTF-8 bytes all decode to U+FFFD) keep the
+    likeliest."""
+    cursor = LogprobCursor() if cursor is None else cursor
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for entry in entries:
-        text = token_text(entry.token_id)
+        text, raw = token_piece(entry.token_id)
         top: dict[str, float] = {}
         for token_id, logprob in entry.top:
-            top.setdefault(token_text(token_id), _logprob(logprob))
+            top.setdefault(token_piece(token_id)[0], _logprob(logprob))
         top.setdefault(text, _logprob(entry.logprob))
         tokens.append(text)
         token_logprobs.append(_logprob(entry.logprob))
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
+        offsets.append(cursor.text_offset)
+        cursor.text_offset += len(cursor.utf8.decode(raw))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def _chat_token(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+def _chat_token(piece: tuple[str, bytes], logprob: float) -> dict:
+    return {"token": piece[0], "logprob": _logprob(logprob), "bytes": list(piece[1])}
 
 
-def chat_logprobs_body(token_text: Callable[[int], str], entries: Sequence[TokenLogprob]
-                       ) -> dict:
-    """Chat's logprobs of `entries`: per token its text, logprob and UTF-8 bytes, and the top
-    k alternatives alike."""
+def chat_logprobs_body(token_piece: Callable[[int], tuple[str, bytes]],
+                       entries: Sequence[TokenLogprob]) -> dict:
+    """Chat's logprobs of `entries`: per token its text, logprob and own bytes (a character
+    that several tokens spell: each its part, where each text is U+FFFD), and the top k
+    alternatives alike."""
     return {"content": [
-        _chat_token(token_text(e.token_id), e.logprob)
-        | {"top_logprobs": [_chat_token(token_text(t), lp) for t, lp in e.top]}
+        _chat_token(token_piece(e.token_id), e.logprob)
+        | {"top_logprobs": [_chat_token(token_piece(t), lp) for t, lp in e.top]}
         for e in entries]}
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
 
 
 @dataclasses.dataclass
 class LogprobCursor:
-    """How far one streamed choice's events have carried its logprobs: entries sent and the
-    text offset of the next token (completions count offsets over the whole choice)."""
+    """How far one choice's logprobs have gone: entries sent, and the text offset of the next
+    token, with the bytes of a character whose tokens have not all come (completions count
+    offsets over the whole choice)."""
 
     tokens: int = 0
     text_offset: int = 0
+    utf8: codecs.IncrementalDecoder = dataclasses.field(default_factory=_utf8_decoder)
 
 
 def _logprobs_of(job: Job, out: RequestOutput, cursor: LogprobCursor | None = None
@@ -649,19 +663,15 @@ def _logprobs_of(job: Job, out: RequestOutput, cursor: LogprobCursor | None = No
     They cover every token of `token_ids`, as the engine reports them, also when a stop string
     cut the text short of the last tokens (as vLLM reports the logprobs of generated tokens):
     lengths then agree with token_ids and usage, not with the text."""
-    if job.token_text is None:
+    if job.token_piece is None:
         return None
     entries = out.logprobs or []
-    start, offset = (cursor.tokens, cursor.text_offset) if cursor is not None else (0, 0)
-    new = entries[start:]
+    cursor = LogprobCursor() if cursor is None else cursor
+    new = entries[cursor.tokens:]
+    cursor.tokens = len(entries)
     if job.kind == "chat":
-        body = chat_logprobs_body(job.token_text, new)
-    else:
-        body = completion_logprobs_body(job.token_text, new, offset)
-    if cursor is not None:
-        cursor.tokens = len(entries)
-        cursor.text_offset = offset + sum(len(t) for t in body.get("tokens", ()))
-    return body
+        return chat_logprobs_body(job.token_piece, new)
+    return completion_logprobs_body(job.token_piece, new, cursor)
 
 
 def _choice(job: Job, index: int, out: RequestOutput, logprobs: dict | None) -> dict:

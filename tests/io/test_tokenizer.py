@@ -6,10 +6,12 @@ import os
 import re
 from pydoc_data.topics import topics
 
+import numpy as np
 import pytest
+from tokenizers import models
 
 from infer.io.checkpoint import read_gguf_tokenizer, smollm2_gguf_path
-from infer.io.tokenizer import IncrementalDetokenizer, Tokenizer
+from infer.io.tokenizer import _BYTE_LEVEL, IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -503,3 +505,57 @@ def test_gguf_empty_tokens_named_as_llama_cpp_does() -> None:
     assert tok.vocab_size == n
     assert [tok.decode([i]) for i in (n - 3, n - 2, n - 1)] == [
         f"[EMPTY_{n - 3}]", "ab", f"[EMPTY_{n - 1}]"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_to_the_text(tok: Tokenizer, text: str) -> None:
+    """OpenAI's logprob `bytes`: a token's own bytes, which joined spell the text also where
+    one character spans several tokens (each of which decodes alone to U+FFFD)."""
+    ids = tok.encode(text, add_bos=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_random_byte_runs(tok: Tokenizer) -> None:
+    """Every byte value the vocabulary spells, through the byte-level alphabet: random byte
+    strings (invalid UTF-8 too), cut into tokens by the tokenizer's own BPE over their
+    byte-level spelling. (SmolLM2 has no token for 21 bytes, those UTF-8 never uses among them.)"""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    spelling = {b: ch for ch, b in _BYTE_LEVEL.items() if tok.token_to_id(ch) is not None}
+    assert len(spelling) == 235
+    values = np.array(sorted(spelling), np.uint8)
+    for _ in range(20):
+        raw = rng.choice(values, int(rng.integers(1, 40))).tobytes()
+        pieces = tok.backend.model.tokenize("".join(spelling[b] for b in raw))
+        joined = b"".join(tok.token_bytes(p.id) for p in pieces)
+        assert joined == raw, (seed, raw)
+        assert tok.decode([p.id for p in pieces]) == raw.decode("utf-8", "replace"), seed
+
+
+def _byte_fallback_tokenizer(pieces: list[str]) -> Tokenizer:
+    """Llama-2's and Mistral's kind: SentencePiece pieces with ▁ for space, bytes as <0xNN>."""
+    import tokenizers
+    from tokenizers import decoders, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    backend = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(backend, bos_id=1, eos_ids=[2], add_bos=True, chat_template=None)
+
+
+@pytest.mark.parametrize("text", TEXTS[1:6])
+def test_token_bytes_of_a_byte_fallback_tokenizer(text: str) -> None:
+    """Characters outside the vocabulary come as <0xNN> tokens, each its byte; ▁ is a space.
+    Joined, the bytes are the text after the normalizer's leading ▁, which decode strips."""
+    bpe = _byte_fallback_tokenizer(sorted(set("▁abcdefghijklmnopqrstuvwxyz,!.")))
+    ids = bpe.encode(text, add_bos=False)
+    assert any(bpe.id_to_token(i).startswith("<0x") for i in ids) or text.isascii()
+    assert bpe.decode(ids) == text
+    assert b"".join(bpe.token_bytes(i) for i in ids) == b" " + text.encode()
+    assert bpe.token_bytes(1) == b"<s>"  # a special token: its text

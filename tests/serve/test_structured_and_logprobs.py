@@ -154,15 +154,45 @@ def test_chat_logprobs_format(running) -> None:
     assert len(content) == got.usage.completion_tokens == len(want.token_ids)
     for item, entry in zip(content, want.logprobs):
         assert item.token == _text(running, entry.token_id)
-        assert item.bytes == list(item.token.encode("utf-8"))
+        assert item.bytes == list(running.llm.tokenizer.token_bytes(entry.token_id))
         assert item.logprob == pytest.approx(entry.logprob, abs=1e-5)
         assert [t.token for t in item.top_logprobs] == [_text(running, t) for t, _ in entry.top]
-        assert all(t.bytes == list(t.token.encode("utf-8")) for t in item.top_logprobs)
+        assert [t.bytes for t in item.top_logprobs] == [
+            list(running.llm.tokenizer.token_bytes(t)) for t, _ in entry.top]
         assert item.top_logprobs[0].token == item.token
         assert item.top_logprobs[0].logprob == item.logprob
     plain = running.client().chat.completions.create(model=MODEL, messages=messages,
                                                      max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("answer", ["🦙猫", "a🦙 é"])
+def test_logprob_bytes_spell_characters_that_span_tokens(running, answer: str) -> None:
+    """Each byte-level token of a character several tokens spell decodes alone to U+FFFD:
+    chat's `bytes` are each token's own, joined they are the answer (OpenAI's contract; vLLM
+    encodes the U+FFFD), and completions' text_offset counts the answer's characters (summed
+    token texts ran past its end), in whole and streamed answers alike."""
+    forced = {"structured_outputs": {"choice": [answer]}}
+    chat = running.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "An animal?"}], max_tokens=16,
+        temperature=0, logprobs=True, top_logprobs=1, extra_body=forced)
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == answer
+    assert "\ufffd" in "".join(t.token for t in content)  # parts of characters: the test's point
+    assert b"".join(bytes(t.bytes) for t in content) == answer.encode()
+
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=1,
+              extra_body=forced)
+    whole = running.client().completions.create(**kw).choices[0]
+    streamed = [c.choices[0].logprobs for c in running.client().completions.create(
+        stream=True, **kw) if c.choices[0].logprobs is not None]
+    tokenizer = running.llm.tokenizer
+    ids = tokenizer.encode(answer, add_bos=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    want = [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert whole.text == answer and whole.logprobs.tokens == [tokenizer.decode([i]) for i in ids]
+    assert whole.logprobs.text_offset == want
+    assert sum((c.text_offset for c in streamed), []) == want
 
 
 def test_streamed_logprobs_concatenate_to_the_whole_answers(running) -> None:
@@ -201,13 +231,15 @@ def test_logprobs_cover_the_tokens_when_a_stop_string_cuts_the_text(running) -> 
 
 
 def test_minus_infinity_is_reported_as_vllms_floor() -> None:
-    texts = {1: "a", 2: "b", 3: "\ufffd", 4: "\ufffd"}.__getitem__
+    pieces = {1: ("a", b"a"), 2: ("b", b"b"), 3: ("\ufffd", b"\xf0"),
+              4: ("\ufffd", b"\x9f")}.__getitem__
     entries = [TokenLogprob(1, -math.inf, 5, ((2, -0.1), (3, -1.0), (4, -2.0)))]
-    body = protocol.completion_logprobs_body(texts, entries, text_offset=4)
+    body = protocol.completion_logprobs_body(pieces, entries,
+                                             protocol.LogprobCursor(text_offset=4))
     assert body == {"tokens": ["a"], "token_logprobs": [-9999.0],
                     "top_logprobs": [{"b": -0.1, "\ufffd": -1.0, "a": -9999.0}],
                     "text_offset": [4]}
-    chat = protocol.chat_logprobs_body(texts, entries)
+    chat = protocol.chat_logprobs_body(pieces, entries)
     assert chat["content"][0]["logprob"] == -9999.0
     assert json.dumps(body, allow_nan=False) and json.dumps(chat, allow_nan=False)
 
