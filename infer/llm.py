@@ -25,6 +25,17 @@ from infer.spec.config import SpeculativeConfig
 Conversation = list[dict[str, str]]
 
 
+def _speculative(spec: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    """`speculative` as LLM takes it: a SpeculativeConfig, or its fields as a dict (empty:
+    none)."""
+    if spec is None or isinstance(spec, SpeculativeConfig):
+        return spec
+    if isinstance(spec, dict):
+        return SpeculativeConfig(**spec) if spec else None
+    raise TypeError(f"speculative must be a SpeculativeConfig or a dict of its fields, got "
+                    f"{type(spec).__name__}")
+
+
 class LLM:
     """Loads a model and serves it with the engine. Arguments as in vLLM where they overlap:
 
@@ -49,7 +60,8 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str = "float32",
                  kv_cache_dtype: str = "auto", page_size: int = 16, max_num_seqs: int = 32,
                  scheduler: str = "continuous", enable_prefix_caching: bool = False,
-                 attention_backend: str = "reference", speculative: dict | None = None,
+                 attention_backend: str = "reference",
+                 speculative: SpeculativeConfig | dict | None = None,
                  max_model_len: int = 2048, max_prefill_tokens: int = 256,
                  num_pages: int | None = None, static_max_wait_s: float = math.inf,
                  mixed_steps: bool = False, tensor_parallel_size: int = 1,
@@ -66,8 +78,7 @@ class LLM:
             max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len,
             num_pages=num_pages, scheduler=scheduler, static_max_wait_s=static_max_wait_s,
             attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
-            mixed_steps=mixed_steps,
-            speculative=SpeculativeConfig(**speculative) if speculative else None)
+            mixed_steps=mixed_steps, speculative=_speculative(speculative))
         check_routing(dp_routing, enable_prefix_caching)
         check_speculation_devices(engine_config, parallel.tensor_parallel_size)
         config, host_model, tokenizer = load_on_host(model, dtype)
@@ -91,19 +102,27 @@ class LLM:
     def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
                     tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                     pad_heads: bool = False, dp_routing: str = "least_loaded",
+                    compilation_cache: bool = True, warmup: bool = False,
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
-        EngineConfig fields, the parallel sizes are `LLM`'s."""
+        EngineConfig fields, the other arguments are `LLM`'s."""
+        if compilation_cache and not jax.config.jax_compilation_cache_dir:
+            enable_compilation_cache()
         llm = cls.__new__(cls)
-        spec = engine.pop("speculative", None)
-        if isinstance(spec, dict):
-            spec = SpeculativeConfig(**spec)
+        spec = _speculative(engine.pop("speculative", None))
         engine_config = EngineConfig(**engine, speculative=spec)
         check_routing(dp_routing, engine_config.enable_prefix_caching)
         llm._serve(config, model, tokenizer, engine_config,
                    ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads),
                    dp_routing)
+        if warmup:
+            llm.engine.warmup(progress=True)
         return llm
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached page that no request holds (vLLM's): True when the prefix cache
+        is left empty (or there is none)."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -432,6 +432,14 @@ class Engine:
         stats["prefill_tokens_saved"] = stats["hit_tokens"]
         return stats
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached page that no request holds (vLLM's `reset_prefix_cache`): True
+        when the cache is left empty; a running request's pages stay cached until it ends."""
+        if self.prefix_cache is None:
+            return True
+        self.prefix_cache.evict(len(self.prefix_cache))
+        return len(self.prefix_cache) == 0
+
     def warmup(self, progress: bool = False) -> int:
         """Compiles every shape a run can use; returns the number of programs."""
         return self.runner.warmup(progress)

@@ -135,6 +135,10 @@ class ReplicatedEngine:
     def warmup(self, progress: bool = False) -> int:
         return sum(r.warmup(progress) for r in self.replicas)
 
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (`Engine.reset_prefix_cache`): True when all are left empty."""
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
     def prefix_cache_stats(self) -> list[dict[str, float]]:
         """Each replica's prefix-cache stats."""
         return [r.prefix_cache_stats() for r in self.replicas]

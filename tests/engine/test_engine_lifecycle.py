@@ -724,3 +724,68 @@ def test_generate_stopped_midway_takes_its_requests_away(tiny_model) -> None:
     out = llm.generate(prompt_token_ids=[[9, 8]], sampling_params=params)
     fresh = run(tiny_engine(tiny_model), [[9, 8]], params)
     assert out[0].token_ids == fresh[0].token_ids
+
+
+# -- LLM's arguments -------------------------------------------------------------------------
+
+def test_llm_takes_a_speculative_config_as_from_loaded_does(tiny_model, monkeypatch) -> None:
+    """`infer` exports SpeculativeConfig, and from_loaded took one; LLM(...) unpacked it as a
+    dict and failed with a TypeError about mappings."""
+    import infer.llm
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
+    for spec in (SpeculativeConfig("ngram"), {"method": "ngram"}):
+        with pytest.raises(AssertionError, match="the checkpoint was read"):
+            LLM(model="tiny", compilation_cache=False, speculative=spec)
+        llm = LLM.from_loaded(TINY, tiny_model, None, max_model_len=64, page_size=4,
+                              speculative=spec)
+        assert llm.engine.config.speculative == SpeculativeConfig("ngram")
+    with pytest.raises(TypeError, match="SpeculativeConfig or a dict"):
+        LLM(model="tiny", compilation_cache=False, speculative="ngram")
+
+
+def test_from_loaded_warms_up_as_llm_does(tiny_model) -> None:
+    """from_loaded(warmup=True) compiles every program ahead, as LLM(warmup=True) does (it was
+    an unknown EngineConfig field). Shapes no other test builds, so nothing is shared."""
+    from infer.platform import CompileCounter
+
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_model_len=40, page_size=5,
+                          max_num_seqs=3, max_prefill_tokens=24, warmup=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, TINY.vocab_size) for _ in range(rng.randint(1, 30))]
+               for _ in range(5)]
+    with CompileCounter() as compiles:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=6))
+    assert compiles.count == 0
+
+
+def test_reset_prefix_cache_frees_what_no_request_holds(tiny_model) -> None:
+    """vLLM's LLM.reset_prefix_cache: cached pages that no request holds go back to the pool,
+    and the next run of the same prompt computes it again with the same tokens; a running
+    request's pages stay until it ends (False until then)."""
+    llm = LLM.from_loaded(TINY, tiny_model, None, max_model_len=64, page_size=4,
+                          max_num_seqs=2, enable_prefix_caching=True)
+    engine = llm.engine
+    prompt = [[(7 * i) % 300 + 1 for i in range(30)]]
+    params = SamplingParams(max_tokens=5)
+    first = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0]
+    again = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0]
+    assert again.metrics.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    assert len(engine.prefix_cache) > 0
+    assert llm.reset_prefix_cache()
+    assert len(engine.prefix_cache) == 0
+    assert engine.allocator.num_free() == engine.config.num_pages
+    fresh = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0]
+    assert fresh.metrics.num_cached_tokens == 0 and fresh.token_ids == first.token_ids
+
+    request_id = engine.add_request(prompt_token_ids=prompt[0], params=params)
+    while not engine.scheduler.seqs[request_id].num_computed:
+        engine.step()
+    assert not llm.reset_prefix_cache()  # the pages the running request holds stay cached
+    assert len(engine.prefix_cache) == 30 // 4
+    engine.run_until_done()
+    assert llm.reset_prefix_cache() and len(engine.prefix_cache) == 0
+    engine.allocator.check_invariants()

@@ -78,6 +78,15 @@ def test_prefix_routing_follows_the_cached_prefix(grouped):
     front.run_until_done()
     one = LLM.from_loaded(GROUPED, grouped, None, **ENGINE)
     assert front.output(follower.request_id).token_ids == _sampled(one, [shared + [3]], 3)[0]
+    # Every replica's cache emptied, not the first one's alone; routing then has no prefix.
+    for _ in range(2):  # fresh prompts, queued together: one per replica
+        front.add_request(prompt_token_ids=rng.integers(0, GROUPED.vocab_size, 20).tolist(),
+                          params=sp)
+    front.run_until_done()
+    assert all(len(r.prefix_cache) for r in front.replicas)
+    assert llm.reset_prefix_cache()
+    assert not any(len(r.prefix_cache) for r in front.replicas)
+    assert all(r.prefix_cache.cached_tokens(shared) == 0 for r in front.replicas)
 
 
 @pytest.mark.parametrize("seed", range(3))
