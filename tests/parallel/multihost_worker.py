@@ -19,6 +19,7 @@ def main(process_id: int, port: int) -> None:
 
     from infer.llm import LLM
     from infer.model.llama import Llama
+    from infer.platform import enable_compilation_cache
     from infer.sampling_params import SamplingParams
     from tests.parallel.test_tensor_parallel import GROUPED as config  # 6/3 heads: padded to 8/4
     model = Llama(config, jnp.float32, nnx.Rngs(5))
@@ -28,6 +29,8 @@ def main(process_id: int, port: int) -> None:
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     engine = dict(max_num_seqs=2, max_model_len=64, max_prefill_tokens=16)
+    # As the CLI and LLM(...) ask for it: on, the processes' collectives disagreed.
+    cache = enable_compilation_cache(sys.argv[3] if len(sys.argv) > 3 else None)
     llm = LLM.from_loaded(config, model, None, tensor_parallel_size=4, pad_heads=True, **engine)
     mesh_devices = llm.engine.runner.device_steps.mesh.devices.size
 
@@ -43,7 +46,7 @@ def main(process_id: int, port: int) -> None:
                                                       sampling_params=params)]
         print(json.dumps({"tokens": tokens, "one_device": expected,
                           "global_devices": jax.device_count(), "mesh_devices": mesh_devices,
-                          "processes": jax.process_count()}), flush=True)
+                          "processes": jax.process_count(), "cache": cache}), flush=True)
     else:
         assert tokens is None
 

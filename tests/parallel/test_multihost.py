@@ -19,13 +19,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_one_device_tokens():
+def test_two_processes_give_one_device_tokens(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(i),
-                               str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+                               str(port), str(tmp_path / f"xla{i}")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
     try:
         results = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -35,6 +36,7 @@ def test_two_processes_give_one_device_tokens():
         assert p.returncode == 0, err[-3000:]
     row = json.loads(next(line for line in results[0][0].splitlines() if line.startswith("{")))
     assert (row["processes"], row["global_devices"], row["mesh_devices"]) == (2, 4, 4)
+    assert row["cache"] is None  # the persistent compilation cache stays off
     assert row["tokens"] == row["one_device"]
 
 
