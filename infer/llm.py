@@ -81,7 +81,12 @@ class LLM:
             mixed_steps=mixed_steps, speculative=_speculative(speculative))
         check_routing(dp_routing, enable_prefix_caching)
         check_speculation_devices(engine_config, parallel.tensor_parallel_size)
-        config, host_model, tokenizer = load_on_host(model, dtype)
+
+        def fits(model_config: LlamaConfig) -> None:  # before the weights are read
+            engine_config.check_model(model_config)
+            parallel.check_model(model_config)
+
+        config, host_model, tokenizer = load_on_host(model, dtype, fits)
         self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
         if warmup:
             self.engine.warmup(progress=True)

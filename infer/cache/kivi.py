@@ -54,6 +54,14 @@ def check_geometry(head_dim: int, page_size: int) -> None:
                          f"G={page_size}")
 
 
+def check_backend(backend: str) -> None:
+    """ValueError unless `backend` reads this format's pages."""
+    if backend != "reference":
+        raise ValueError(f"{KIVI_FORMAT} is read by the reference attention backend only: the "
+                         "Pallas kernels do not implement its per-channel key pages or its "
+                         "bfloat16 windows")
+
+
 def value_group(head_dim: int) -> int:
     return min(VALUE_GROUP, head_dim)
 

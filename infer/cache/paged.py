@@ -118,10 +118,7 @@ class PagedKVCache(WriteThenAttend):
                      mesh: jax.sharding.Mesh | None, num_windows: int,
                      device: jax.sharding.Sharding | None) -> "PagedKVCache":
         kivi.check_geometry(head_dim, page_size)
-        if backend != "reference":
-            raise ValueError(f"{kivi.KIVI_FORMAT} is read by the reference attention backend "
-                             "only: the Pallas kernels do not implement its per-channel key "
-                             "pages or its bfloat16 windows")
+        kivi.check_backend(backend)
         if num_windows < 1:
             raise ValueError(f"{kivi.KIVI_FORMAT} keeps each sequence's newest pages in a "
                              "bfloat16 window: num_windows must be >= 1 (the most sequences "

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
+from infer.cache import kivi
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.paged import ATTENTION_BACKENDS, reads_in_place, window_slots
 from infer.cache.prefix_cache import PrefixCache
@@ -32,6 +33,7 @@ from infer.engine.request import Request, RequestIds, RequestOutput, validate_re
 from infer.engine.runner import Runner, RunnerConfig, check_speculation_fits
 from infer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
 from infer.io.tokenizer import Tokenizer
+from infer.model.config import LlamaConfig
 from infer.model.llama import Llama, tile_weights
 from infer.platform import interrupts_deferred
 from infer.sampling_params import SamplingParams, is_real
@@ -89,20 +91,31 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")
-        if self.kv_cache_dtype != "auto":
-            resolve_kv_format(self.kv_cache_dtype, page_formats=True)  # raises if unknown
+        kv_format = self._kv_format()  # raises if unknown
         if not (is_real(self.static_max_wait_s) and self.static_max_wait_s >= 0):
             raise ValueError(f"static_max_wait_s must be a number of seconds >= 0 (inf: wait "
                              f"for a full batch), got {self.static_max_wait_s!r}")
         for name in ("enable_prefix_caching", "async_scheduling", "mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if kv_format == kivi.KIVI_FORMAT:
+            kivi.check_backend(self.attention_backend)
         if self.speculative is not None:
-            # "auto" is the weights' dtype, never a quantized format.
-            kv_format = (self.kv_cache_dtype if self.kv_cache_dtype == "auto" else
-                         resolve_kv_format(self.kv_cache_dtype, page_formats=True))
             check_speculation_fits(self.speculative.tree_shape, self.speculative.reserved_slots,
                                    kv_format, self.mixed_steps)
+
+    def check_model(self, model_config: LlamaConfig) -> None:
+        """What the model's shapes rule out of these settings (LLM asks before it reads the
+        weights): int4_kivi's page geometry over the model's head dim."""
+        if self._kv_format() == kivi.KIVI_FORMAT:
+            kivi.check_geometry(model_config.head_dim, self.page_size)
+
+    def _kv_format(self) -> str:
+        """The cache format's canonical name; "auto" (the weights' dtype, never a quantized
+        format) as it is."""
+        if self.kv_cache_dtype == "auto":
+            return "auto"
+        return resolve_kv_format(self.kv_cache_dtype, page_formats=True)
 
 
 def check_speculation_devices(config: EngineConfig, devices: int) -> None:

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -307,7 +307,13 @@ def _dequantize(tensor: Any, where: str) -> np.ndarray:
     return w
 
 
-def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
+# Called with a checkpoint's config before its tensors are read (seconds, a large file's
+# minutes): what the config decides about the caller's settings fails first.
+ConfigCheck = Callable[[Mapping[str, Any]], None]
+
+
+def read_gguf(path: str | os.PathLike[str], check_config: ConfigCheck | None = None
+              ) -> Checkpoint:
     """Reads a llama-architecture GGUF file, dequantizing every tensor to float32."""
     path = os.fspath(path)
     reader = _open_gguf(path)
@@ -316,6 +322,8 @@ def read_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     if "token_embd.weight" not in by_name:
         raise ValueError(f"{path}: missing tensor token_embd.weight")
     config = _gguf_config(reader, len(tokenizer.tokens), "output.weight" in by_name, path)
+    if check_config is not None:
+        check_config(config)
 
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in by_name.items():
@@ -443,7 +451,8 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
+def read_hf_dir(path: str | os.PathLike[str], check_config: ConfigCheck | None = None
+                ) -> Checkpoint:
     """Reads a HF Llama checkpoint directory: config.json and its *.safetensors shards (those
     model.safetensors.index.json lists, when there is one)."""
     path = _require_path(path)
@@ -460,6 +469,8 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
     config = normalize_hf_config(raw, config_path)
+    if check_config is not None:
+        check_config(config)
 
     files = _safetensors_files(path)
     tensors: dict[str, np.ndarray] = {}
@@ -481,16 +492,18 @@ def read_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """A GGUF file or a HF directory, told apart by what the path is."""
+def read_checkpoint(path: str | os.PathLike[str], check_config: ConfigCheck | None = None
+                    ) -> Checkpoint:
+    """A GGUF file or a HF directory, told apart by what the path is; `check_config` sees the
+    config before any tensor is read."""
     path = _require_path(path)
     if os.path.isdir(path):
-        return read_hf_dir(path)
+        return read_hf_dir(path, check_config)
     if path.endswith(".safetensors"):
         # The tensors alone: the config (and tokenizer) live beside them.
         raise ValueError(f"{path}: a safetensors file; pass the HF directory holding it and its "
                          "config.json")
-    return read_gguf(path)
+    return read_gguf(path, check_config)
 
 
 def smollm2_gguf_path() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import jax.numpy as jnp
 
@@ -61,13 +62,16 @@ def load(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32
     return config, place_model(model, None), tokenizer
 
 
-def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32"
+def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = "float32",
+                 check_config: Callable[[LlamaConfig], None] | None = None
                  ) -> tuple[LlamaConfig, Llama, Tokenizer]:
     """`load` with the weights left in host memory (numpy), for placement on a mesh
-    (`infer.parallel.placement.place_model`)."""
+    (`infer.parallel.placement.place_model`). `check_config` sees the model's config before
+    its weights are read: settings the model's shapes rule out fail first."""
     weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(path, None if check_config is None else (
+        lambda hf_config: check_config(LlamaConfig.from_hf_dict(hf_config, name=name))))
     config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
     model = model_from_hf_tensors(config, checkpoint.tensors, weight_dtype)
     return config, model, Tokenizer.from_checkpoint(checkpoint)

@@ -18,6 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from infer.model.config import LlamaConfig
+from infer.parallel.heads import head_layout
+
 DATA, MODEL = "data", "model"
 
 
@@ -36,6 +39,12 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.pad_heads, bool):  # "no" would be truthy, and pad
             raise ValueError(f"pad_heads must be a bool, got {self.pad_heads!r}")
+
+    def check_model(self, model_config: LlamaConfig) -> None:
+        """ValueError when the tensor-parallel size cannot split this model (`head_layout`):
+        LLM asks before it reads the weights."""
+        if self.tensor_parallel_size > 1:
+            head_layout(model_config, self.tensor_parallel_size, self.pad_heads)
 
     @property
     def num_devices(self) -> int:

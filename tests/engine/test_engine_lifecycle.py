@@ -789,3 +789,43 @@ def test_reset_prefix_cache_frees_what_no_request_holds(tiny_model) -> None:
     engine.run_until_done()
     assert llm.reset_prefix_cache() and len(engine.prefix_cache) == 0
     engine.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    (dict(tensor_parallel_size=2), "splits neither"),  # SmolLM2: 9 heads, 3 KV heads
+    (dict(tensor_parallel_size=5, pad_heads=True), "intermediate_size"),
+    (dict(kv_cache_dtype="int4_kivi", page_size=128), "divisible by the page size")])
+def test_llm_refuses_what_the_models_shapes_rule_out_before_the_weights(
+        monkeypatch, tmp_path, settings: dict, refusal: str) -> None:
+    """Settings the model's config rules out were refused after the whole checkpoint was read
+    (seconds here, a large GGUF's minutes): now once the config is, before any tensor, for a
+    GGUF file and a HF directory alike. Settings that fit go on to read the tensors."""
+    import json
+
+    import infer.io.checkpoint
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("tensors were read")
+
+    monkeypatch.setattr(infer.io.checkpoint, "_dequantize", no_tensors)
+    monkeypatch.setattr(infer.io.checkpoint, "_safetensors_files", no_tensors)
+    hf_dir = tmp_path / "smollm2-shapes"  # SmolLM2's shapes, its config.json alone
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+    for model in ("smollm2-135m", str(hf_dir)):
+        with pytest.raises(ValueError, match=refusal):
+            LLM(model=model, compilation_cache=False, **settings)
+        fitting = {**settings, "tensor_parallel_size": 3} if "pad_heads" in settings or \
+            "tensor_parallel_size" in settings else {**settings, "page_size": 32}
+        with pytest.raises(AssertionError, match="tensors were read"):
+            LLM(model=model, compilation_cache=False, **fitting)
+
+
+def test_int4_kivi_with_the_pallas_backend_is_refused_by_the_config() -> None:
+    with pytest.raises(ValueError, match="reference attention backend only"):
+        EngineConfig(kv_cache_dtype="int4_kivi", attention_backend="pallas")
+    EngineConfig(kv_cache_dtype="int4_kivi", attention_backend="reference")
