@@ -387,8 +387,9 @@ class Engine:
 
     def _notify(self, out: RequestOutput) -> RequestOutput:
         """Hands an output to its callback; a finished request's engine state is released.
-        Returns the output that stands: the aborted one when the callback raised, so that a
-        caller of `step` (a data-parallel front, a server) sees the request end."""
+        Returns the output that stands: the aborted one when the callback raised or aborted
+        its request itself, so that a caller of `step` (a data-parallel front, a server) sees
+        the request end."""
         callback = self._callbacks.get(out.request_id)
         if out.finished:
             self._release(out)
@@ -404,6 +405,9 @@ class Engine:
             if seq is not None:
                 out = seq.request.output()
                 self._release(out)
+        else:
+            if not out.finished and out.request_id not in self.scheduler.seqs:
+                out = self._finished.get(out.request_id, out)  # the callback's abort
         return out
 
     def _release(self, final: RequestOutput) -> None:

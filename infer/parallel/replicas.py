@@ -107,14 +107,18 @@ class ReplicatedEngine:
         return min(r.seconds_until_work() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with work; their outputs, replica by replica."""
+        """One step of every replica with work; their outputs, replica by replica. When a
+        replica's step raises, the requests the replicas before it finished in this call are
+        still retired (their ids free, their outputs kept), as one engine's would be."""
         outputs = []
-        for replica in self.replicas:
-            if replica.has_unfinished():
-                outputs += replica.step()
-        for out in outputs:
-            if out.finished:
-                self._retire(out.request_id)
+        try:
+            for replica in self.replicas:
+                if replica.has_unfinished():
+                    outputs += replica.step()
+        finally:
+            for out in outputs:
+                if out.finished:
+                    self._retire(out.request_id)
         return outputs
 
     def stream(self) -> Iterator[RequestOutput]:

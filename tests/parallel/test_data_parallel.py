@@ -132,14 +132,20 @@ def test_static_replicas_fill_one_batch_at_a_time(grouped):
     front.run_until_done()
 
 
-def test_a_request_aborted_by_its_callback_leaves_the_front(grouped):
-    """A replica aborts a request whose stream callback raised; the front sees it end too:
-    its id is free again and the front holds nothing unfinished."""
+@pytest.mark.parametrize("how", ["raises", "aborts"])
+def test_a_request_aborted_by_its_callback_leaves_the_front(grouped, how: str):
+    """A replica aborts a request whose stream callback raised, or the callback aborts it
+    itself; the front sees it end too: its id is free again and the front holds nothing
+    unfinished. (A callback's own abort came back from step() unfinished, so the front kept
+    the id in use.)"""
     llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, **ENGINE)
     front = llm.engine
 
     def bad(out) -> None:
-        raise RuntimeError("consumer bug")
+        if how == "raises":
+            raise RuntimeError("consumer bug")
+        if len(out.token_ids) == 2 and not out.finished:
+            front.abort(out.request_id)
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     rng = np.random.default_rng()
@@ -153,6 +159,29 @@ def test_a_request_aborted_by_its_callback_leaves_the_front(grouped):
     front.add_request(prompt_token_ids=[5, 6, 7], params=params, request_id="x")  # reusable
     front.run_until_done()
     assert front.output("x").finish_reason.value == "length"
+
+
+def test_a_failing_replica_leaves_the_others_finished_requests_retired(grouped, monkeypatch):
+    """Replica 0 finishes "a" in the front step in which replica 1's step raises: "a" was
+    left live in the front, its id refused for good, its output only reachable there."""
+    llm = LLM.from_loaded(GROUPED, grouped, None, data_parallel_size=2, **ENGINE)
+    front = llm.engine
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    front.add_request(prompt_token_ids=[1, 2, 3], params=one, request_id="a")  # replica 0
+    front.add_request(prompt_token_ids=[4, 5, 6], params=one, request_id="b")  # replica 1
+
+    def failing() -> list:
+        raise RuntimeError("replica 1: device error")
+
+    monkeypatch.setattr(front.replicas[1], "step", failing)
+    with pytest.raises(RuntimeError, match="device error"):
+        front.step()
+    monkeypatch.undo()
+    assert front.output("a").finished and len(front.output("a").token_ids) == 1
+    front.run_until_done()
+    front.add_request(prompt_token_ids=[7, 8], params=one, request_id="a")  # free again
+    front.run_until_done()
+    assert not front.has_unfinished() and front.output("b").finished
 
 
 def test_front_rejects_bad_configurations(grouped):
