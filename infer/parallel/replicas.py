@@ -12,12 +12,14 @@ work and returns their outputs together; `LLM.generate` puts them back in prompt
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Iterator, Sequence
 
 from infer.engine.engine import Callback, Engine, check_request_id
 from infer.engine.request import Request, RequestIds, RequestOutput
 from infer.parallel.flags import check_routing
 from infer.sampling_params import SamplingParams
+from infer.spec.stats import SpeculationStats
 
 
 class ReplicatedEngine:
@@ -146,3 +148,12 @@ class ReplicatedEngine:
     def prefix_cache_stats(self) -> list[dict[str, float]]:
         """Each replica's prefix-cache stats."""
         return [r.prefix_cache_stats() for r in self.replicas]
+
+    def speculative_stats(self) -> dict[str, float]:
+        """`Engine.speculative_stats` over every replica's verify steps ({} without
+        speculation): counts summed, rates of the sums."""
+        if self.replicas[0].runner.proposer is None:
+            return {}
+        counts = [r.runner.spec_stats for r in self.replicas]
+        return SpeculationStats(**{f.name: sum(getattr(c, f.name) for c in counts)
+                                   for f in dataclasses.fields(SpeculationStats)}).summary()

@@ -45,7 +45,12 @@ def test_replicas_speculate_as_one_device(grouped, method):
     llm = LLM.from_loaded(GROUPED, grouped, None, **ENGINE, speculative=spec,
                           data_parallel_size=2)
     assert _sampled(llm, prompts) == expected
-    assert all(r.speculative_stats()["proposed"] > 0 for r in llm.engine.replicas)
+    parts = [r.speculative_stats() for r in llm.engine.replicas]
+    assert all(p["proposed"] > 0 for p in parts)
+    whole = llm.engine.speculative_stats()  # the front's: every replica's verify steps
+    for count in ("verify_steps", "rows", "proposed", "accepted"):
+        assert whole[count] == sum(p[count] for p in parts)
+    assert whole["acceptance_rate"] == whole["accepted"] / whole["proposed"]
 
 
 def test_least_loaded_routing_spreads_requests(grouped):
