@@ -51,7 +51,9 @@ def count_executables(*jitted: Callable) -> int:
 
 class ProgramMemo:
     """Program sets by key, least recently used dropped first once their executables pass
-    `max_executables` (checked whenever a set is asked for; the set asked for is kept)."""
+    `max_executables` (checked whenever a set is asked for; the set asked for is kept). A set
+    asked for that holds `max_executables` or more itself (engines of many shapes over one
+    model: a sweep) is built anew: engines alive keep the full one, and it goes with them."""
 
     def __init__(self, max_executables: int) -> None:
         if max_executables < 1:
@@ -64,7 +66,7 @@ class ProgramMemo:
         """The set under `key`, built by `build()` the first time (or after it was dropped)."""
         with self._lock:
             programs = self._sets.pop(key, None)
-            if programs is None:
+            if programs is None or programs.executables() >= self.max_executables:
                 programs = build()
             self._sets[key] = programs
             self._trim()
