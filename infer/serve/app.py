@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -67,7 +67,7 @@ class Server:
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers={
             HTTPException: self._http_error, ApiError: self._api_error,
-            Exception: self._internal_error})
+            ClientDisconnect: self._client_gone, Exception: self._internal_error})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -89,6 +89,11 @@ class Server:
 
     async def _api_error(self, request: HttpRequest, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    async def _client_gone(self, request: HttpRequest, exc: ClientDisconnect) -> Response:
+        # Gone while sending its body: nothing was queued, and no one is listening.
+        log.debug("client left %s before its body arrived", request.url.path)
+        return Response(status_code=499)
 
     async def _internal_error(self, request: HttpRequest, exc: Exception) -> JSONResponse:
         log.exception("internal error serving %s", request.url.path)

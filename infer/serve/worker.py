@@ -70,6 +70,7 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sinks: dict[str, Sink] = {}  # live request id -> where its outputs go
+        self._submitting: Sink | None = None  # the job between the inbox and `_sinks`
         self._stopping = False
         self.replicas = replicas_of(engine)
 
@@ -122,7 +123,10 @@ class EngineWorker:
         finally:
             for replica in self.replicas:  # a stopped server frees every request's pages
                 for request_id in list(replica.scheduler.seqs):
-                    replica.abort(request_id)
+                    out = replica.abort(request_id)
+                    if out is not None:
+                        self.metrics.finished(out)
+            self.metrics.engine_state(self.replicas)  # /metrics outlives the thread
 
     def _take_commands(self, timeout: float) -> None:
         """Runs the commands queued, waiting up to `timeout` seconds (inf: for ever) for the
@@ -152,6 +156,9 @@ class EngineWorker:
 
     def _submit(self, command: _Submit) -> None:
         taken: list[str] = []
+        # Out of the inbox, not yet in `_sinks`: were the engine to fail here, `_fail_all`
+        # would otherwise tell every job but this one.
+        self._submitting = command.sink
         try:
             for request in command.requests:
                 self.engine.submit(request)
@@ -160,9 +167,11 @@ class EngineWorker:
             for request_id in taken:
                 self.engine.abort(request_id)
             self._deliver(command.sink, e)
+            self._submitting = None
             return
         for request_id in taken:
             self._sinks[request_id] = command.sink
+        self._submitting = None
 
     def _step(self) -> None:
         since = [r.num_steps for r in self.replicas]
@@ -190,6 +199,8 @@ class EngineWorker:
         those whose submit sits in the inbox, queued while the step that failed ran (no more
         can come: `submit` sees `error` now)."""
         sinks = {id(s): s for s in self._sinks.values()}
+        if self._submitting is not None:
+            sinks[id(self._submitting)] = self._submitting
         self._sinks.clear()
         while True:
             try:

@@ -1,8 +1,14 @@
 """/health is 503 while warm-up compiles, 200 after, and nothing compiles while serving the
-shapes warm-up covered; the static scheduler needs a finite wait behind a server."""
+shapes warm-up covered; the static scheduler needs a finite wait behind a server; an engine
+that dies answers every client, and a client gone early is no server error."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import re
+import socket
+import threading
 import time
 
 import httpx
@@ -61,7 +67,6 @@ def test_a_static_batch_waits_for_its_deadline_without_stepping(smollm2_4_layers
 
 def test_a_data_parallel_server_gives_one_engines_tokens(smollm2_4_layers) -> None:
     """data_parallel_size=2: two engine replicas behind the one worker thread."""
-    import concurrent.futures
 
     from infer import SamplingParams
     from infer.parallel.replicas import ReplicatedEngine
@@ -156,9 +161,6 @@ def test_a_job_stream_ends_when_its_error_is_read_not_when_it_arrives() -> None:
 def test_requests_queued_while_the_engine_dies_hear_of_it(smollm2_4_layers) -> None:
     """Requests submitted while the step that kills the engine thread runs wait in its inbox,
     not yet in the engine: each must still get an error, not wait for ever."""
-    import concurrent.futures
-    import threading
-
     http, thread, running = start_server(smollm2_4_layers, max_num_seqs=2, max_model_len=64,
                                          max_prefill_tokens=16)
     engine, worker = running.server.engine, running.server.worker
@@ -192,5 +194,69 @@ def test_requests_queued_while_the_engine_dies_hear_of_it(smollm2_4_layers) -> N
         assert httpx.get(f"{running.url}/health").status_code == 503
     finally:
         fail.set()
+        http.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_fails_while_taking_a_request_answers_it(smollm2_4_layers,
+                                                                 stream: bool) -> None:
+    """The engine thread dies inside engine.submit: the job was out of the inbox and not yet
+    among the requests the engine serves, so no one told it and its client waited for ever.
+    /metrics then still counted the requests the dying thread freed as running."""
+    http, thread, running = start_server(smollm2_4_layers, max_num_seqs=2, max_model_len=64,
+                                         max_prefill_tokens=16)
+    engine = running.server.engine
+    url = running.url
+    try:
+        # One request running when the engine dies: its pages are freed, and /metrics says so.
+        step = engine.step
+        started = threading.Event()
+
+        def slow_step():
+            started.set()
+            time.sleep(0.05)
+            return step()
+
+        engine.step = slow_step
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running_one = pool.submit(httpx.post, f"{url}/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True})
+            assert started.wait(60)
+
+            def failing_submit(request, callback=None):
+                raise RuntimeError("injected: submit failed")
+
+            engine.submit = failing_submit
+            r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": "Hello", "max_tokens": 4, "stream": stream})
+            assert r.status_code in (200, 500) and "submit failed" in r.text, r.text
+            assert running_one.result().status_code == 500
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert not engine.scheduler.seqs
+        metrics = httpx.get(f"{url}/metrics").text
+        assert re.search(r"^vllm:num_requests_running\S* 0\.0$", metrics, re.M), metrics
+    finally:
+        http.should_exit = True
+        thread.join(30)
+
+
+def test_a_client_gone_while_sending_its_body_is_no_internal_error(smollm2_4_layers,
+                                                                   caplog) -> None:
+    """The body's upload ends with the connection: Starlette raises ClientDisconnect from
+    request.body(), which the catch-all answered as a 500 and logged with a traceback."""
+    http, thread, running = start_server(smollm2_4_layers)
+    host, port = running.url.removeprefix("http://").split(":")
+    try:
+        with caplog.at_level(logging.INFO, logger="infer"):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                          b'{"prompt": "Hi"')
+                time.sleep(0.3)
+            time.sleep(0.5)
+            assert httpx.get(f"{running.url}/health").status_code == 200
+        assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    finally:
         http.should_exit = True
         thread.join(30)
