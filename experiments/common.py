@@ -108,9 +108,10 @@ def interleaved_medians(programs: Mapping[str, Callable[..., Any]], args: Sequen
 def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: int
                         ) -> tuple[float, float]:
     """(seconds to the first token, seconds per decode step after it) of `generate(n)`, a
-    generation loop returning on the host after n tokens, the way its user sees it: the medians
-    of t(1) and of (t(tokens + 1) - t(1)) / tokens over `repeats`, after one untimed run that
-    compiles or warms every shape."""
+    generation loop returning on the host after n tokens, the way its user sees it: over
+    `repeats`, after one untimed run that compiles or warms every shape, the median of t(1),
+    and the median of t(tokens + 1) less that, over tokens (a difference of medians, not the
+    median of each repeat's difference)."""
     check_repeats(repeats)
     generate(tokens + 1)
     first, full = [], []
