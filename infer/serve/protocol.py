@@ -85,7 +85,7 @@ class Job:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    # Set when the request asked for logprobs: the text each token is reported as.
+    # Set when the request asked for logprobs: the text and bytes each token is reported as.
     token_piece: Callable[[int], tuple[str, bytes]] | None = None
     # stream_options.continuous_usage_stats (with include_usage): every event carries its
     # choice's usage so far, as vLLM's do.
