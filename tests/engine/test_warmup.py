@@ -1,6 +1,6 @@
 """Warm-up compiles every program a serving run executes: after `engine.warmup()` a run compiles
-nothing, without speculation, with every proposer and with prefix caching, including the
-one-row verify step whose k+1 tokens equal a prefill chunk's bucket."""
+nothing, without speculation, with the n-gram, self-draft and EAGLE proposers and with prefix
+caching, including the one-row verify step whose k+1 tokens equal a prefill chunk's bucket."""
 
 from __future__ import annotations
 
