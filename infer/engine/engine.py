@@ -395,19 +395,19 @@ class Engine:
             self._release(out)
         if callback is None:
             return out
+        # The request as it runs now: a callback may end it (abort), and even start another
+        # under its id, before it returns or raises.
+        live = None if out.finished else self.scheduler.seqs.get(out.request_id)
         try:
             callback(out)
         except Exception:  # a consumer's bug must not take the engine, or other requests, down
             logging.exception("stream callback of request %s raised; aborting that request",
                               out.request_id)
-            self._callbacks.pop(out.request_id, None)
-            seq = self.scheduler.abort(out.request_id)
-            if seq is not None:
-                out = seq.request.output()
-                self._release(out)
-        else:
-            if not out.finished and out.request_id not in self.scheduler.seqs:
-                out = self._finished.get(out.request_id, out)  # the callback's abort
+            if live is not None and self.scheduler.seqs.get(out.request_id) is live:
+                self.scheduler.abort(out.request_id)
+                self._release(live.request.output())
+        if live is not None and self.scheduler.seqs.get(out.request_id) is not live:
+            out = live.request.output()  # it ended during the callback: its end stands
         return out
 
     def _release(self, final: RequestOutput) -> None:

@@ -829,3 +829,39 @@ def test_int4_kivi_with_the_pallas_backend_is_refused_by_the_config() -> None:
     with pytest.raises(ValueError, match="reference attention backend only"):
         EngineConfig(kv_cache_dtype="int4_kivi", attention_backend="pallas")
     EngineConfig(kv_cache_dtype="int4_kivi", attention_backend="reference")
+
+
+@pytest.mark.parametrize("how", ["raises", "aborts", "aborts_then_raises", "aborts_and_resubmits"])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_its_callback_ends_ends_in_the_steps_outputs(tiny_model, how: str,
+                                                               async_scheduling: bool) -> None:
+    """Whatever the callback does to its own request (raise, abort it, abort it and raise,
+    abort it and start another under the same id), step() shows the request's end, its own
+    output and never a stale one under the id. An abort inside the callback came back as the
+    unfinished output the callback was handed."""
+    engine = tiny_engine(tiny_model, async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first, second = [5, 6, 7], [9, 10, 11, 12]
+
+    def callback(out) -> None:
+        if out.finished or len(out.token_ids) < 2:
+            return
+        if how != "raises":
+            engine.abort("x")
+        if how == "aborts_and_resubmits":
+            engine.add_request(prompt_token_ids=second, params=params, request_id="x")
+        if how in ("raises", "aborts_then_raises"):
+            raise RuntimeError("consumer bug")
+
+    engine.add_request(prompt_token_ids=first, params=params, request_id="x", callback=callback)
+    outs = [o for o in engine.stream() if o.request_id == "x"]
+    old = [o for o in outs if o.prompt_token_ids == first]
+    assert old[-1].finished and old[-1].finish_reason == FinishReason.ABORT
+    assert len(old[-1].token_ids) == 2 and all(not o.finished for o in old[:-1])
+    new = [o for o in outs if o.prompt_token_ids == second]
+    if how == "aborts_and_resubmits":
+        assert outs.index(old[-1]) < outs.index(new[0])  # the old one's end, then the new one's
+        assert new[-1].finished and len(new[-1].token_ids) == 6
+    else:
+        assert not new and not engine.has_unfinished()
+    engine.allocator.check_invariants()
