@@ -95,9 +95,10 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache (default `~/.cache/infer/xla`, or
     $INFER_CACHE_DIR/xla): a second run of an experiment loads its compiled programs from disk
     instead of compiling them again. Returns the directory; None in a multi-process job
-    (`jax.distributed`), where it stays off: with it on, the two processes of
-    tests/parallel/test_multihost.py ran steps whose collectives disagreed (gloo: "received
-    data size doesn't match"), each process with a fresh directory of its own or not."""
+    (`jax.distributed`), where it stays off (`infer.parallel.distributed.initialize` turns it
+    off): with it on, the two processes of tests/parallel/test_multihost.py ran steps whose
+    collectives disagreed (gloo: "received data size doesn't match"), each process with a
+    fresh directory of its own or not."""
     import jax
 
     if jax.distributed.is_initialized():

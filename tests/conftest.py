@@ -20,7 +20,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory) -> str:
+def compilation_cache(tmp_path_factory) -> str | None:
     """JAX's persistent compilation cache in a directory of this session only. Each `Engine`
     jits its steps afresh, so without it every test that builds an engine on SmolLM2 compiled
     the same 30-layer programs again; with it the second engine loads them. A fresh directory

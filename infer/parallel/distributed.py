@@ -43,6 +43,10 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes,
                                process_id=process_id)
+    # Off even when turned on before (JAX_COMPILATION_CACHE_DIR, an earlier LLM): see
+    # `infer.platform.enable_compilation_cache`, which keeps it off from here on. (Its
+    # directory must go: jax_enable_compilation_cache=False beside one still failed so.)
+    jax.config.update("jax_compilation_cache_dir", None)
 
 
 # -- the plan channel -------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def main(process_id: int, port: int) -> None:
                                                       sampling_params=params)]
         print(json.dumps({"tokens": tokens, "one_device": expected,
                           "global_devices": jax.device_count(), "mesh_devices": mesh_devices,
-                          "processes": jax.process_count(), "cache": cache}), flush=True)
+                          "processes": jax.process_count(), "cache": cache,
+                          "cache_dir": jax.config.jax_compilation_cache_dir}), flush=True)
     else:
         assert tokens is None
 

@@ -21,7 +21,9 @@ def _free_port() -> int:
 
 def test_two_processes_give_one_device_tokens(tmp_path):
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # The persistent compilation cache asked for before jax.distributed starts (by JAX's own
+    # variable) and after it (as the CLI asks): it must end up off.
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(i),
                                str(port), str(tmp_path / f"xla{i}")], cwd=ROOT, env=env,
@@ -36,7 +38,7 @@ def test_two_processes_give_one_device_tokens(tmp_path):
         assert p.returncode == 0, err[-3000:]
     row = json.loads(next(line for line in results[0][0].splitlines() if line.startswith("{")))
     assert (row["processes"], row["global_devices"], row["mesh_devices"]) == (2, 4, 4)
-    assert row["cache"] is None  # the persistent compilation cache stays off
+    assert row["cache"] is None and row["cache_dir"] is None
     assert row["tokens"] == row["one_device"]
 
 
