@@ -43,8 +43,9 @@ def _byte_level_bytes() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_bytes()
-# Decoders whose pieces token_bytes reads as bytes; Fuse and Strip only join pieces or trim
-# the text's first characters, which no single token's bytes carry.
+# Decoders whose pieces token_bytes reads as bytes. Fuse joins pieces; Strip trims the start of
+# a whole text (a SentencePiece first token's space), not what a token adds to a text it
+# continues, which is what token_bytes gives.
 _PIECE_DECODERS = {"ByteLevel", "ByteFallback", "Replace", "Metaspace", "Fuse", "Strip"}
 
 

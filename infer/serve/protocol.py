@@ -8,7 +8,6 @@ otherwise: a silently ignored penalty would give wrong results without any sign.
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import logging
 import time
@@ -605,14 +604,14 @@ def completion_logprobs_body(token_piece: Callable[[int], tuple[str, bytes]],
                              cursor: LogprobCursor | None = None) -> dict:
     """Completions' logprobs of `entries`: each token's text, logprob, the top alternatives as
     {text: logprob} (OpenAI's legacy format: the chosen token is always among them, so up to
-    k + 1) and where in the choice's text each token begins, in characters, carried on from
-    `cursor` (a token inside a character that several tokens spell begins at that character).
+    k + 1) and each token's text offset, vLLM's: the summed lengths of the token texts before
+    it, carried on from `cursor` (a character several tokens spell counts one U+FFFD each).
     Alternatives whose texts coincide (partial UTF-8 bytes all decode to U+FFFD) keep the
     likeliest."""
     cursor = LogprobCursor() if cursor is None else cursor
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for entry in entries:
-        text, raw = token_piece(entry.token_id)
+        text = token_piece(entry.token_id)[0]
         top: dict[str, float] = {}
         for token_id, logprob in entry.top:
             top.setdefault(token_piece(token_id)[0], _logprob(logprob))
@@ -621,7 +620,7 @@ def completion_logprobs_body(token_piece: Callable[[int], tuple[str, bytes]],
         token_logprobs.append(_logprob(entry.logprob))
         tops.append(top)
         offsets.append(cursor.text_offset)
-        cursor.text_offset += len(cursor.utf8.decode(raw))
+        cursor.text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
@@ -641,19 +640,13 @@ def chat_logprobs_body(token_piece: Callable[[int], tuple[str, bytes]],
         for e in entries]}
 
 
-def _utf8_decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")("replace")
-
-
 @dataclasses.dataclass
 class LogprobCursor:
     """How far one choice's logprobs have gone: entries sent, and the text offset of the next
-    token, with the bytes of a character whose tokens have not all come (completions count
-    offsets over the whole choice)."""
+    token (completions count offsets over the whole choice)."""
 
     tokens: int = 0
     text_offset: int = 0
-    utf8: codecs.IncrementalDecoder = dataclasses.field(default_factory=_utf8_decoder)
 
 
 def _logprobs_of(job: Job, out: RequestOutput, cursor: LogprobCursor | None = None

@@ -169,9 +169,9 @@ class EngineWorker:
             self._deliver(command.sink, e)
             self._submitting = None
             return
+        self._submitting = None
         for request_id in taken:
             self._sinks[request_id] = command.sink
-        self._submitting = None
 
     def _step(self) -> None:
         since = [r.num_steps for r in self.replicas]
