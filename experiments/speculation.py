@@ -139,7 +139,8 @@ def expected_tokens(alpha: float, k: float) -> float:
 
 
 def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fraction: float = 1.0,
-                      depth: float | None = None, step_fraction: float | None = None) -> float:
+                      depth: float | None = None, step_fraction: float | None = None,
+                      plain_cost: float = 1.0) -> float:
     """The lesson's cost model: a verify step emits expected_tokens(alpha, depth) tokens for k
     draft steps (c each) and one verify pass (v), in baseline decode steps; `depth`, the
     longest path a step can accept, is k for a chain (the default) and a tree's depth for its
@@ -148,11 +149,12 @@ def predicted_speedup(alpha: float, k: float, c: float, v: float, verify_fractio
     (default `verify_fraction`, as at batch 1); the others are plain decode steps, cost 1. At
     batch > 1 a row with nothing to propose rides in its batch's verify step, so steps verify
     more often than rows do: tokens per row-step over cost per step, the rows per step being
-    the baseline's."""
+    the baseline's. `plain_cost`: a plain step's cost in baseline steps (above 1 when the
+    proposer runs in it and drafts nothing: a confidence stop still pays its first draft)."""
     f = verify_fraction
     fs = f if step_fraction is None else step_fraction
     tokens = f * expected_tokens(alpha, k if depth is None else depth) + (1 - f)
-    cost = fs * (k * c + v) + (1 - fs)
+    cost = fs * (k * c + v) + (1 - fs) * plain_cost
     return tokens / cost if cost > 0 else float("nan")
 
 
@@ -367,10 +369,14 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
     base_step = base["decode_step_s"]
     # A verify step holds the call that drafted for it: c and v split that step's time between
     # the two. Calls that drafted nothing (n-gram found no match, a confidence stop) ran in
-    # plain steps; their time, in an average here, lowered c and raised v.
+    # plain steps; their time, in an average here, lowered c and raised v ...
     propose = probe["drafting_propose_s"] / probe["drafting_calls"] if rows else float("nan")
     c = propose / k_mean / base_step
     v = (spec["verify_step_s"] - propose) / base_step
+    # ... and a plain step pays for them: 1 + their time per plain step, in baseline steps.
+    plain_steps = spec["decode_steps"] - probe["verify_steps"]
+    plain = 1.0 + ((probe["propose_s"] - probe["drafting_propose_s"]) / plain_steps / base_step
+                   if plain_steps > 0 else 0.0)
     # Row-steps that verified, among all decode row-steps (n-gram may find nothing to offer),
     # and steps that verified, among all decode steps: a step verifies when any of its rows
     # has drafts, and the rows without ride in it at its cost.
@@ -385,15 +391,15 @@ def spec_row(base: dict[str, Any], spec: dict[str, Any], k: int, depth: int | No
            "tokens_per_verify": (accepted + rows) / rows if rows else float("nan"),
            "baseline_decode_tok_s": base["decode_tok_s"],
            "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
-           "draft_cost_ratio": c, "verify_cost_ratio": v,
+           "draft_cost_ratio": c, "verify_cost_ratio": v, "plain_step_cost": plain,
            "pred_tokens_per_verify": expected_tokens(alpha, reach) if proposed else float("nan"),
            "pred_tokens_per_verify_mle": expected_tokens(mle, reach) if proposed else float("nan"),
-           "pred_speedup": (predicted_speedup(alpha, k_mean, c, v, f, reach, fs) if proposed
-                            else float("nan")),
-           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f, reach, fs) if proposed
-                                else float("nan")),
-           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f, reach, fs) if proposed
-                               else float("nan"))}
+           "pred_speedup": (predicted_speedup(alpha, k_mean, c, v, f, reach, fs, plain)
+                            if proposed else float("nan")),
+           "pred_speedup_mle": (predicted_speedup(mle, k_mean, c, v, f, reach, fs, plain)
+                                if proposed else float("nan")),
+           "pred_speedup_v1": (predicted_speedup(alpha, k_mean, c, 1.0, f, reach, fs, plain)
+                               if proposed else float("nan"))}
     return row
 
 

@@ -259,12 +259,13 @@ def test_batch_rows_without_drafts_ride_in_the_verify_step() -> None:
         assert row["pred_speedup_mle"] == pytest.approx(tokens / seconds / base_tok_s)
 
 
-def test_calls_that_draft_nothing_leave_c_and_v_alone(monkeypatch) -> None:
+def test_calls_that_draft_nothing_cost_the_plain_steps_not_c_and_v(monkeypatch) -> None:
     """A verify step holds one drafting call: c is that call's time per draft and v the rest of
     the step. Calls that drafted nothing (n-gram without a match, a confidence stop) run in
     plain steps at any cost, cheaper or dearer than a drafting call; they must not move either
-    (averaged over every call, they lowered c and raised v by the difference). Random mixes of
-    calls through the probe, on a clock each call advances by its own cost."""
+    (averaged over every call, they lowered c and raised v by the difference), and the plain
+    steps that held them cost that much more. Random mixes of calls through the probe, on a
+    clock each call advances by its own cost."""
     rng = np.random.default_rng()
     now = [0.0]
     monkeypatch.setattr(speculation.time, "perf_counter", lambda: now[0])
@@ -286,7 +287,8 @@ def test_calls_that_draft_nothing_leave_c_and_v_alone(monkeypatch) -> None:
         proposer = Proposer()
         probe = speculation.ProposerProbe(proposer)
         calls = rng.random(int(rng.integers(2, 40))) < 0.5
-        calls[0] = True
+        calls[:2] = True, False  # both kinds, in a random mix
+        rng.shuffle(calls)
         for drafting in calls:
             proposer.propose([None], [k], 1, k, drafting=bool(drafting))
             proposer.commit([None], [[7] * (1 + int(drafting))])
@@ -297,3 +299,11 @@ def test_calls_that_draft_nothing_leave_c_and_v_alone(monkeypatch) -> None:
         assert row["verify_rows"] == calls.sum()
         assert row["draft_cost_ratio"] == pytest.approx(c)
         assert row["verify_cost_ratio"] == pytest.approx(v)
+        # ... and the plain steps, which held them, cost 1 + their time: the prediction prices
+        # those steps so (at 1, a confidence stop's run was predicted 1.5x its measured speed).
+        fs = calls.mean()
+        plain = 1 + idle_cost / base_step
+        assert row["plain_step_cost"] == pytest.approx(plain)
+        tokens = fs * speculation.expected_tokens(1 / k, k) + (1 - fs)
+        assert row["pred_speedup"] == pytest.approx(
+            tokens / (fs * (k * c + v) + (1 - fs) * plain))
