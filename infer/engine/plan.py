@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     import jax
 
 
+def check_step_kinds(mixed_steps: bool, num_speculative_tokens: int) -> None:
+    """A mixed step (a prefill chunk and the decode rows in one forward) verifies no drafts:
+    the scheduler, the runner and the engine's config refuse the two together."""
+    if mixed_steps and num_speculative_tokens:
+        raise ValueError("mixed steps do not combine with speculative decoding")
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

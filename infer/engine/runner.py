@@ -32,7 +32,8 @@ from infer.engine.buckets import (MIN_PREFILL_TOKENS, MIN_WINDOW, bucket_for, po
                                   with_midpoints)
 from infer.engine.device_steps import DeviceSteps
 from infer.engine.metrics import StepTimes
-from infer.engine.plan import Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState, StepPlan
+from infer.engine.plan import (Emitted, EmittedLogprobs, InFlight, PrefillChunk, SeqState,
+                               StepPlan, check_step_kinds)
 from infer.engine.request import TokenLogprob
 from infer.model.binding import placement
 from infer.model.llama import Llama
@@ -55,8 +56,7 @@ def check_speculation_fits(tree: TreeShape | None, num_speculative_tokens: int,
         raise ValueError(f"tree speculation moves the accepted path's KV token by token, "
                          f"which {kivi.KIVI_FORMAT}'s per-channel key pages cannot do: use "
                          f"another kv_cache_dtype or a chain (no tree)")
-    if mixed_steps and num_speculative_tokens:
-        raise ValueError("mixed steps do not combine with speculative decoding")
+    check_step_kinds(mixed_steps, num_speculative_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

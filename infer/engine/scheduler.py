@@ -56,7 +56,8 @@ from typing import Callable, Iterable, Sequence
 
 from infer.cache.page_allocator import OutOfPages, PageAllocator
 from infer.cache.prefix_cache import PrefixCache
-from infer.engine.plan import EmittedLogprobs, InFlight, PrefillChunk, SeqState, Status, StepPlan
+from infer.engine.plan import (EmittedLogprobs, InFlight, PrefillChunk, SeqState, Status,
+                               StepPlan, check_step_kinds)
 from infer.engine.request import Request, RequestLimits, TokenLogprob, validate_request
 
 POLICIES = ("continuous", "static")
@@ -78,8 +79,7 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_prefill_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mixed_steps and self.num_speculative_tokens:
-            raise ValueError("mixed steps do not combine with speculative decoding")
+        check_step_kinds(self.mixed_steps, self.num_speculative_tokens)
 
 
 class Scheduler:
