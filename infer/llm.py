@@ -36,6 +36,12 @@ def _speculative(spec: SpeculativeConfig | dict | None) -> SpeculativeConfig | N
                     f"{type(spec).__name__}")
 
 
+def _use_compilation_cache(on: bool) -> None:
+    """LLM's `compilation_cache`: on, unless the process already chose a directory."""
+    if on and not jax.config.jax_compilation_cache_dir:
+        enable_compilation_cache()
+
+
 class LLM:
     """Loads a model and serves it with the engine. Arguments as in vLLM where they overlap:
 
@@ -68,8 +74,7 @@ class LLM:
                  data_parallel_size: int = 1, pad_heads: bool = False,
                  dp_routing: str = "least_loaded", compilation_cache: bool = True,
                  warmup: bool = False) -> None:
-        if compilation_cache and not jax.config.jax_compilation_cache_dir:
-            enable_compilation_cache()
+        _use_compilation_cache(compilation_cache)
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads)
         parallel.replica_meshes()  # too few devices fails before the checkpoint is read
         # So does a bad engine setting: the read takes seconds, a large GGUF's minutes.
@@ -87,13 +92,13 @@ class LLM:
             parallel.check_model(model_config)
 
         config, host_model, tokenizer = load_on_host(model, dtype, fits)
-        self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing)
-        if warmup:
-            self.engine.warmup(progress=True)
+        self._serve(config, host_model, tokenizer, engine_config, parallel, dp_routing, warmup)
 
     def _serve(self, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
-               engine_config: EngineConfig, parallel: ParallelConfig, dp_routing: str) -> None:
-        """Places the model (one replica per data-parallel group) and builds the engine(s)."""
+               engine_config: EngineConfig, parallel: ParallelConfig, dp_routing: str,
+               warmup: bool) -> None:
+        """Places the model (one replica per data-parallel group) and builds the engine(s);
+        with `warmup`, compiles every program they can run, with a progress bar."""
         self.config, self.tokenizer = config, tokenizer
         replicas = place_replicas(model, parallel)
         engines = [Engine(m, tokenizer, engine_config, mesh=mesh) for m, mesh in replicas]
@@ -102,6 +107,8 @@ class LLM:
         self.model = engines[0].model
         self.engine: Engine | ReplicatedEngine = (
             engines[0] if len(engines) == 1 else ReplicatedEngine(engines, dp_routing))
+        if warmup:
+            self.engine.warmup(progress=True)
 
     @classmethod
     def from_loaded(cls, config: LlamaConfig, model: Llama, tokenizer: Tokenizer,
@@ -111,17 +118,14 @@ class LLM:
                     **engine: object) -> "LLM":
         """An LLM over an already loaded model (from `infer.load`); `engine` takes the
         EngineConfig fields, the other arguments are `LLM`'s."""
-        if compilation_cache and not jax.config.jax_compilation_cache_dir:
-            enable_compilation_cache()
+        _use_compilation_cache(compilation_cache)
         llm = cls.__new__(cls)
         spec = _speculative(engine.pop("speculative", None))
         engine_config = EngineConfig(**engine, speculative=spec)
         check_routing(dp_routing, engine_config.enable_prefix_caching)
         llm._serve(config, model, tokenizer, engine_config,
                    ParallelConfig(tensor_parallel_size, data_parallel_size, pad_heads),
-                   dp_routing)
-        if warmup:
-            llm.engine.warmup(progress=True)
+                   dp_routing, warmup)
         return llm
 
     def reset_prefix_cache(self) -> bool:
