@@ -123,9 +123,7 @@ class EngineWorker:
         finally:
             for replica in self.replicas:  # a stopped server frees every request's pages
                 for request_id in list(replica.scheduler.seqs):
-                    out = replica.abort(request_id)
-                    if out is not None:
-                        self.metrics.finished(out)
+                    self._abort(replica, request_id)
             self.metrics.engine_state(self.replicas)  # /metrics outlives the thread
 
     def _take_commands(self, timeout: float) -> None:
@@ -149,10 +147,14 @@ class EngineWorker:
                 for request_id in command.request_ids:
                     if self._sinks.get(request_id) == command.sink:  # bound methods: ==
                         del self._sinks[request_id]
-                        out = self.engine.abort(request_id)
-                        if out is not None:
-                            self.metrics.finished(out)
+                        self._abort(self.engine, request_id)
                 self.metrics.engine_state(self.replicas)  # an abort frees without a step
+
+    def _abort(self, engine: Engine | ReplicatedEngine, request_id: str) -> None:
+        """Aborts the request, counted as ended in the metrics when it was still live."""
+        out = engine.abort(request_id)
+        if out is not None:
+            self.metrics.finished(out)
 
     def _submit(self, command: _Submit) -> None:
         taken: list[str] = []
@@ -167,11 +169,10 @@ class EngineWorker:
             for request_id in taken:
                 self.engine.abort(request_id)
             self._deliver(command.sink, e)
-            self._submitting = None
-            return
+        else:
+            for request_id in taken:
+                self._sinks[request_id] = command.sink
         self._submitting = None
-        for request_id in taken:
-            self._sinks[request_id] = command.sink
 
     def _step(self) -> None:
         since = [r.num_steps for r in self.replicas]
