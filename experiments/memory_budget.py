@@ -5,8 +5,9 @@ only: no model is loaded.
   python -m experiments.memory_budget --gpus=4 --gpu_memory_gb=80 --contexts=2048,4096,32768
 
 Quantized formats carry bfloat16 scales of 2 bytes (fp8: one per head and token; int4: a scale
-and a low value per group of 32), so their real cost is above the ideal bits; both are reported. int4_kivi (pages of
-32 tokens) carries one-byte codes and a bfloat16 window per sequence, which max users count.
+and a low value per group of 32), so their real cost is above the ideal bits; both are
+reported. int4_kivi (pages of 32 tokens) carries one-byte codes and a bfloat16 window per
+sequence, which max users count.
 """
 
 from __future__ import annotations

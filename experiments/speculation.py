@@ -242,10 +242,15 @@ class ProposerProbe:
     def reset(self) -> None:
         self.calls, self.emitted, self.trees, self._pending = [], [], [], None
 
+    def drafting_calls(self) -> list[tuple[float, float, list[int]]]:
+        """The calls since reset that drafted for some row: one per verify step, inside it."""
+        return [call for call in self.calls if any(call[2])]
+
     def summary(self) -> dict[str, Any]:
         """Counts over the verify steps since reset: rows with drafts, drafts proposed and
         accepted, and per row the (accepted, proposed) pairs."""
-        verifying = [c for _, _, c in self.calls if any(c)]
+        drafting = self.drafting_calls()
+        verifying = [c for _, _, c in drafting]
         # The most a row can accept: its drafts in a chain, its prefix's depth in a tree (a
         # prefix cut short is shallower than the tree; counted at the tree's depth, a step that
         # accepted all of it would read as a rejection).
@@ -265,14 +270,13 @@ class ProposerProbe:
                 "reach_counts": reached,
                 "propose_s": sum(e - s for s, e, _ in self.calls),
                 "propose_calls": len(self.calls),
-                # The calls that drafted, whose time lies inside the verify steps.
-                "drafting_propose_s": sum(e - s for s, e, c in self.calls if any(c)),
-                "drafting_calls": len(verifying)}
+                "drafting_propose_s": sum(e - s for s, e, _ in drafting),
+                "drafting_calls": len(drafting)}
 
 
 def verify_records(records: Sequence[Any], probe: ProposerProbe) -> list[Any]:
     """The step records during which the probed proposer proposed drafts: the verify steps."""
-    starts = [s for s, _, c in probe.calls if any(c)]
+    starts = [s for s, _, _ in probe.drafting_calls()]
     return [r for r in records if any(r.start_s <= s <= r.end_s for s in starts)]
 
 
