@@ -250,6 +250,18 @@ def test_engine_config_rejects_bad_sizes(field: str, value: int) -> None:
         EngineConfig(**{field: value})
 
 
+@pytest.fixture
+def no_checkpoint_read(monkeypatch) -> None:
+    """LLM(...) fails with an AssertionError once it reaches the checkpoint's read: a setting
+    refused before it raises its own error instead."""
+    import infer.llm
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the settings were checked")
+
+    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
+
+
 BAD_SETTINGS = [("scheduler", "fcfs"), ("attention_backend", "flash"),
                 ("kv_cache_dtype", "int3"), ("static_max_wait_s", -1.0),
                 ("static_max_wait_s", float("nan")), ("static_max_wait_s", "5"),
@@ -261,17 +273,11 @@ BAD_SETTINGS = [("scheduler", "fcfs"), ("attention_backend", "flash"),
 
 @pytest.mark.parametrize("field, value", BAD_SETTINGS)
 def test_llm_rejects_bad_settings_before_reading_the_checkpoint(
-        tiny_model, monkeypatch, field: str, value: object) -> None:
+        tiny_model, no_checkpoint_read, field: str, value: object) -> None:
     """Each of LLM's engine settings is checked before the checkpoint is read (seconds, a large
     GGUF's minutes), with a ValueError; a scheduler or backend typo once surfaced only after
     the read, and a bad static wait, a non-bool flag or a routing typo with one replica
     passed silently (enable_prefix_caching="no" turned prefix caching on)."""
-    import infer.llm
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("the checkpoint was read before the settings were checked")
-
-    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
     if field in inspect.signature(LLM).parameters:  # async_scheduling: EngineConfig's alone
         with pytest.raises(ValueError):
             LLM(model="tiny", compilation_cache=False, **{field: value})
@@ -285,15 +291,9 @@ def test_llm_rejects_bad_settings_before_reading_the_checkpoint(
     (dict(kv_cache_dtype="int4_kivi", speculative={"method": "eagle", "tree": "2x2"}),
      "tree speculation")])
 def test_llm_refuses_what_speculation_cannot_run_with_before_reading(
-        monkeypatch, settings: dict, refusal: str) -> None:
+        no_checkpoint_read, settings: dict, refusal: str) -> None:
     """Settings each good alone and not together: refused by the runner and the scheduler,
     once the checkpoint had been read; a chain over int4_kivi, or mixed steps alone, pass."""
-    import infer.llm
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("the checkpoint was read before the settings were checked")
-
-    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
     with pytest.raises(ValueError, match=refusal):
         LLM(model="tiny", compilation_cache=False, **settings)
     for alone in ({"mixed_steps": True}, {"kv_cache_dtype": "int4_kivi",
@@ -302,15 +302,10 @@ def test_llm_refuses_what_speculation_cannot_run_with_before_reading(
             LLM(model="tiny", compilation_cache=False, **alone)
 
 
-def test_llm_refuses_speculation_over_tensor_parallelism_before_reading(monkeypatch) -> None:
+def test_llm_refuses_speculation_over_tensor_parallelism_before_reading(
+        no_checkpoint_read) -> None:
     """Found only once the model was read and placed, where the engine refused it; data
     parallelism gives each replica one device and is taken."""
-    import infer.llm
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("the checkpoint was read before the settings were checked")
-
-    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
     with pytest.raises(ValueError, match="speculative decoding runs on one device.*spans 2"):
         LLM(model="tiny", compilation_cache=False, tensor_parallel_size=2,
             speculative={"method": "ngram"})
@@ -728,15 +723,10 @@ def test_generate_stopped_midway_takes_its_requests_away(tiny_model) -> None:
 
 # -- LLM's arguments -------------------------------------------------------------------------
 
-def test_llm_takes_a_speculative_config_as_from_loaded_does(tiny_model, monkeypatch) -> None:
+def test_llm_takes_a_speculative_config_as_from_loaded_does(tiny_model,
+                                                           no_checkpoint_read) -> None:
     """`infer` exports SpeculativeConfig, and from_loaded took one; LLM(...) unpacked it as a
     dict and failed with a TypeError about mappings."""
-    import infer.llm
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("the checkpoint was read")
-
-    monkeypatch.setattr(infer.llm, "load_on_host", no_read)
     for spec in (SpeculativeConfig("ngram"), {"method": "ngram"}):
         with pytest.raises(AssertionError, match="the checkpoint was read"):
             LLM(model="tiny", compilation_cache=False, speculative=spec)
