@@ -7,7 +7,8 @@ only: no model is loaded.
 Quantized formats carry bfloat16 scales of 2 bytes (fp8: one per head and token; int4: a scale
 and a low value per group of 32), so their real cost is above the ideal bits; both are
 reported. int4_kivi (pages of 32 tokens) carries one-byte codes and a bfloat16 window per
-sequence, which max users count.
+sequence, which max users count. A user holds whole pages (the engine's 16 tokens; int4_kivi's
+32), so a context that is not a multiple of the page costs its last page whole.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,
     }
     for ctx in contexts:
         row[f"max_users_{ctx}"] = budget.max_users(ctx)
-        row[f"max_users_ideal_{ctx}"] = ideal_tokens // ctx
+        row[f"max_users_ideal_{ctx}"] = ideal_tokens // budget.tokens_held(ctx)
         row[f"max_users_mha_{ctx}"] = mha_budget.max_users(ctx)
     return row
 

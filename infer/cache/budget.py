@@ -20,6 +20,7 @@ GB = 1e9  # GPU memory is sold in decimal gigabytes (A100-80GB: 80e9 bytes)
 
 
 KIVI_PAGE_SIZE = 32  # int4_kivi's page in the budget: its keys' codes cost 2 D / G per token
+ENGINE_PAGE_SIZE = 16  # the engine's default page (EngineConfig.page_size)
 
 
 def kv_format_name(kv_format: str) -> str:
@@ -109,9 +110,13 @@ def kv_bytes_per_token_per_device(config: LlamaConfig, tensor_parallel: int = 1,
 def kv_bytes_per_sequence_per_device(config: LlamaConfig, tensor_parallel: int = 1,
                                      kv_format: str = "bfloat16",
                                      page_size: int = KIVI_PAGE_SIZE) -> int:
-    """`kv_bytes_per_sequence` on each of T devices (int4_kivi's window, split by KV head)."""
+    """`kv_bytes_per_sequence` on each of T devices: int4_kivi's window split by KV head, its
+    ring's tags whole (they live on one device, which is then the fullest)."""
     _, wide = laid_out(config, tensor_parallel)
-    return kv_bytes_per_sequence(wide, kv_format, page_size) // tensor_parallel
+    if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
+        return 0
+    tags = config.num_layers * kivi.WINDOW_TAG_BYTES
+    return (kv_bytes_per_sequence(wide, kv_format, page_size) - tags) // tensor_parallel + tags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +134,7 @@ class MemoryBudget:
     device_kv_bytes_per_token: int
     device_kv_bytes_per_sequence: int = 0  # held whatever the length (int4_kivi's window)
     devices: int = 1
+    page_size: int = 1  # tokens per page: a sequence holds whole pages
     layout: str = "split"  # how the heads split over the devices (infer.parallel.heads)
 
     @property
@@ -167,43 +173,56 @@ class MemoryBudget:
     def max_cached_tokens(self) -> int:
         return max(0, int(self.device_kv_bytes_available // self.device_kv_bytes_per_token))
 
-    def max_users(self, context_len: int) -> int:
-        """Concurrent sequences of `context_len` tokens whose KV fits."""
+    def tokens_held(self, context_len: int) -> int:
+        """Token slots a sequence of `context_len` tokens holds: its pages, the last one partly
+        empty (vLLM's concurrency figure rounds up to blocks alike)."""
         if context_len <= 0:
             raise ValueError(f"context_len must be positive, got {context_len}")
-        each = context_len * self.device_kv_bytes_per_token + self.device_kv_bytes_per_sequence
+        return -(-context_len // self.page_size) * self.page_size
+
+    def max_users(self, context_len: int) -> int:
+        """Concurrent sequences of `context_len` tokens whose KV fits."""
+        each = (self.tokens_held(context_len) * self.device_kv_bytes_per_token
+                + self.device_kv_bytes_per_sequence)
         return max(0, int(self.device_kv_bytes_available // each))
 
 
 def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 1,
                   weight_dtype: str = "bfloat16", kv_format: str = "bfloat16",
-                  overhead_fraction: float = 0.1) -> MemoryBudget:
+                  overhead_fraction: float = 0.1, page_size: int | None = None) -> MemoryBudget:
     """What is left for the KV cache of one replica tensor-parallel over `num_gpus` GPUs, once
     each GPU's weights and a reserve (a fraction of its memory, in the manner of vLLM's
     gpu_memory_utilization) are set aside. The heads are laid out as the engine places them:
-    KV heads replicated or padded to split over the GPUs cost memory here too. ValueError when
+    KV heads replicated or padded to split over the GPUs cost memory here too. Sequences hold
+    whole pages of `page_size` tokens (default: the engine's, int4_kivi's own). ValueError when
     the model does not split over `num_gpus`."""
     if not 0 <= overhead_fraction < 1:
         raise ValueError(f"overhead_fraction must be in [0, 1), got {overhead_fraction}")
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
     name = kv_format_name(kv_format)
+    if page_size is None:
+        page_size = KIVI_PAGE_SIZE if name == kivi.KIVI_FORMAT else ENGINE_PAGE_SIZE
+    if page_size < 1:
+        raise ValueError(f"page_size must be at least 1, got {page_size}")
     layout, _ = laid_out(config, num_gpus)
     memory = gpu_memory_gb * GB
     return MemoryBudget(
         model=config.name, kv_format=name, device_memory_bytes=memory,
         device_weight_bytes=weight_bytes_per_device(config, num_gpus, weight_dtype),
         device_overhead_bytes=overhead_fraction * memory,
-        device_kv_bytes_per_token=kv_bytes_per_token_per_device(config, num_gpus, name),
-        device_kv_bytes_per_sequence=kv_bytes_per_sequence_per_device(config, num_gpus, name),
-        devices=num_gpus, layout=layout.way)
+        device_kv_bytes_per_token=kv_bytes_per_token_per_device(config, num_gpus, name,
+                                                                page_size=page_size),
+        device_kv_bytes_per_sequence=kv_bytes_per_sequence_per_device(config, num_gpus, name,
+                                                                      page_size),
+        devices=num_gpus, layout=layout.way, page_size=page_size)
 
 
 def kv_bytes_per_sequence(config: LlamaConfig, kv_format: str,
                           page_size: int = KIVI_PAGE_SIZE) -> int:
     """Bytes a sequence holds beside its pages, over all layers: int4_kivi's bfloat16 window of
-    its two newest pages; 0 for every other format."""
+    its two newest pages and the ring's tags; 0 for every other format."""
     if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
         return 0
-    return config.num_layers * config.num_kv_heads * kivi.window_bytes(config.head_dim,
-                                                                        page_size)
+    window = config.num_kv_heads * kivi.window_bytes(config.head_dim, page_size)
+    return config.num_layers * (window + kivi.WINDOW_TAG_BYTES)

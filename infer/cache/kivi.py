@@ -43,6 +43,7 @@ VALUE_GROUP = 32
 STEP_CODES_PER_OCTAVE, STEP_OFFSET = 10, 16  # step = 2^(code / 10 - 16)
 LOW_MAX = 127
 WINDOW_PAGES = 2  # a sequence's newest pages read exact (bfloat16), in a ring
+WINDOW_TAG_BYTES = WINDOW_PAGES * 2 * 4  # per layer and sequence: (tag, page) int32 per entry
 
 
 def check_geometry(head_dim: int, page_size: int) -> None:

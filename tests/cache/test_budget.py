@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -11,6 +12,7 @@ from infer.cache.budget import (gqa_saving, kv_bytes_per_sequence, kv_bytes_per_
                                 laid_out, memory_budget, norm_bytes, weight_bytes,
                                 weight_bytes_per_device)
 from infer.model.config import PRESETS, get_config
+from kernels_pallas.kv_quant import PAGE_FORMATS, SUPPORTED_KV_FORMATS
 
 L70, K70, D70 = 80, 8, 128  # Llama-3-70B: layers, KV heads, head dim
 
@@ -61,10 +63,45 @@ def test_memory_budget_arithmetic_on_a_tiny_model():
     assert b.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 2 * b.device_kv_bytes_per_token == 256
     assert b.max_cached_tokens == 224_785_728 // 128 == 1_756_138
     assert b.max_users(4096) == 428  # 1,756,138 / 4096 = 428.7
-    assert b.max_users(1) == 1_756_138
+    # Sequences hold whole pages of the engine's 16 tokens: 1 and 16 tokens cost a page, 17 two.
+    assert b.page_size == 16
+    assert b.max_users(1) == b.max_users(16) == 1_756_138 // 16 == 109_758
+    assert b.max_users(17) == 1_756_138 // 32
+    assert dataclasses.replace(b, page_size=1).max_users(1) == 1_756_138
     assert b.fits
     with pytest.raises(ValueError, match="context_len"):
         b.max_users(0)
+
+
+@pytest.mark.parametrize("kv_format", SUPPORTED_KV_FORMATS + PAGE_FORMATS)
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_the_budget_counts_what_the_paged_cache_allocates(kv_format: str, page_size: int):
+    """Bytes per token and per sequence, scales, codes, int4_kivi's window and its ring's tags
+    included, are what `PagedKVCache.create` allocates for one more page and one more window."""
+    import jax
+
+    from infer.cache.budget import kv_bytes_per_token_per_device
+    from infer.cache.paged import PagedKVCache
+
+    config = get_config("tiny")
+    kivi = kv_format in PAGE_FORMATS
+
+    def allocated(pages: int, windows: int) -> int:
+        cache = PagedKVCache.create(config.num_layers, pages, page_size, config.num_kv_heads,
+                                    config.head_dim, kv_format, num_windows=windows)
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
+
+    windows = 1 if kivi else 0
+    per_page = allocated(3, windows) - allocated(2, windows)
+    assert per_page == page_size * kv_bytes_per_token(config, kv_format, page_size=page_size)
+    assert per_page == page_size * kv_bytes_per_token_per_device(config, 1, kv_format,
+                                                                 page_size=page_size)
+    per_window = allocated(2, 2) - allocated(2, 1) if kivi else 0
+    assert per_window == kv_bytes_per_sequence(config, kv_format, page_size)
+    b = memory_budget(config, gpu_memory_gb=1, kv_format=kv_format, page_size=page_size)
+    assert b.device_kv_bytes_per_sequence == per_window
+    assert b.max_users(page_size + 1) == int(b.device_kv_bytes_available
+                                             // (2 * per_page + per_window))
 
 
 def test_model_that_does_not_fit():
@@ -90,7 +127,7 @@ def test_int4_kivi_costs_its_codes_per_token_and_its_window_per_sequence():
     """Llama-3-8B (32 layers, 8 kv heads, D = 128) at pages of 32: a key is 64 data bytes and
     2 * 128 / 32 one-byte codes, a value 64 and 2 * 128 / 32: 144 bytes per head and token, 1/3.56
     of bfloat16; each sequence also holds two bfloat16 pages of K and V per head and layer (its
-    window's ring)."""
+    window's ring) and the ring's tags."""
     from infer.cache.budget import kv_bytes_per_sequence
 
     config = get_config("llama-3-8b")
@@ -98,7 +135,10 @@ def test_int4_kivi_costs_its_codes_per_token_and_its_window_per_sequence():
     assert per_token == 32 * 8 * 144 == 36_864
     assert kv_bytes_per_token(config, "bfloat16") / per_token == pytest.approx(3.556, abs=1e-3)
     window = kv_bytes_per_sequence(config, "int4_kivi")
-    assert window == 32 * 8 * 2 * 2 * 32 * 128 * 2 and kv_bytes_per_sequence(config, "int4") == 0
+    # 32 layers * (8 heads * 2 pages * K,V * 32 tokens * 128 dims * 2 B + the ring's 2 entries'
+    # (tag, page) int32 pairs)
+    assert window == 32 * (8 * 2 * 2 * 32 * 128 * 2 + 2 * 2 * 4)
+    assert kv_bytes_per_sequence(config, "int4") == 0
     b = memory_budget(config, gpu_memory_gb=80, kv_format="int4_kivi")
     assert b.max_users(2048) == int(b.kv_bytes_available // (2048 * per_token + window))
     assert b.max_users(2048) < b.max_cached_tokens // 2048
@@ -179,12 +219,15 @@ def test_budget_counts_the_heads_as_laid_out(seed: int):
         assert b.device_kv_bytes_per_token * t == kv_bytes_per_token(wide, fmt)
         assert (b.device_kv_bytes_per_token * t * config.num_kv_heads
                 == kv_bytes_per_token(config, fmt) * layout.num_kv_heads)
-        assert b.device_kv_bytes_per_sequence * t == kv_bytes_per_sequence(wide, fmt)
+        # int4_kivi's ring tags stay whole on one device, as the norms below do
+        tags = config.num_layers * 16 if fmt == "int4_kivi" else 0
+        assert b.device_kv_bytes_per_sequence * t - (t - 1) * tags == kv_bytes_per_sequence(
+            wide, fmt)
         norms = norm_bytes(config, kw["weight_dtype"])
         assert b.device_weight_bytes * t - (t - 1) * norms == weight_bytes(wide, kw["weight_dtype"])
-        context = rng.choice([512, 4096, 32768])
+        context = rng.choice([500, 512, 4096, 32768])
         users = b.max_users(context)
-        each = context * b.device_kv_bytes_per_token + b.device_kv_bytes_per_sequence
+        each = -(-context // b.page_size) * b.page_size * b.device_kv_bytes_per_token + b.device_kv_bytes_per_sequence
         assert users * each <= max(0, b.device_kv_bytes_available) < (users + 1) * each
 
 
