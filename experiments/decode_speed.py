@@ -37,6 +37,7 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     from experiments.common import (ResultLog, check_repeats, first_and_step_time, hf_greedy,
                                     load_hf_smollm2, markdown_table, measure_ceilings,
                                     usable_peers)
+    from experiments.roofline import step_flops
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.cache.budget import kv_bytes_per_token
     from infer.engine.device_steps import DeviceSteps
@@ -68,9 +69,10 @@ def run(*, batch_sizes: list[int], dtype: str, tokens: int, prompt_len: int, rep
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(steps.params))
 
     def measure(b: int, generate, kv_dtype: str) -> dict:
-        kv_read = b * (prompt_len + tokens / 2) * kv_bytes_per_token(config, kv_dtype)
+        mean_context = prompt_len + tokens / 2
+        kv_read = b * mean_context * kv_bytes_per_token(config, kv_dtype)
         floor_s = (weight_bytes + kv_read) / ceilings()["copy_bandwidth_Bps"]
-        flops = 2 * config.num_params * b
+        flops = step_flops(config, b, 1, round(mean_context))  # attention's QK and PV included
         t_first, step_s = first_and_step_time(lambda n: generate(b, n), tokens, repeats)
         return {"prefill_tok_s": b * prompt_len / t_first, "decode_step_ms": step_s * 1e3,
                 "decode_tok_s": b / step_s, "bandwidth_floor_step_ms": floor_s * 1e3,
