@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from infer.io.checkpoint import read_checkpoint, smollm2_gguf_path
 from infer.io.hf_weights import model_from_hf_tensors
-from infer.io.tokenizer import Tokenizer
+from infer.io.tokenizer import Tokenizer, hf_tokenizer_file
 from infer.model.config import PRESETS, LlamaConfig
 from infer.model.llama import Llama
 from infer.parallel.placement import place_model
@@ -70,8 +70,16 @@ def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = 
     its weights are read: settings the model's shapes rule out fail first."""
     weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
-    checkpoint = read_checkpoint(path, None if check_config is None else (
-        lambda hf_config: check_config(LlamaConfig.from_hf_dict(hf_config, name=name))))
+    if os.path.isdir(path):
+        hf_tokenizer_file(path)  # a directory of weights alone fails before they are read
+
+    def check(hf_config: dict) -> None:
+        # An unsupported config (a rope type, a bias) fails before the tensors are read too.
+        config = LlamaConfig.from_hf_dict(hf_config, name=name)
+        if check_config is not None:
+            check_config(config)
+
+    checkpoint = read_checkpoint(path, check)
     config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
     model = model_from_hf_tensors(config, checkpoint.tensors, weight_dtype)
     return config, model, Tokenizer.from_checkpoint(checkpoint)

@@ -118,6 +118,14 @@ def _validate_messages(messages: Any) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
+def hf_tokenizer_file(path: str | os.PathLike[str]) -> str:
+    """The tokenizer.json of a HF checkpoint directory; FileNotFoundError when it has none."""
+    tok_path = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"{os.fspath(path)}: directory has no tokenizer.json")
+    return tok_path
+
+
 class Tokenizer:
     """Text <-> token ids for one model, with its special tokens and chat template."""
 
@@ -191,9 +199,7 @@ class Tokenizer:
         `model_vocab_size`: the model's vocabulary, when larger than the tokenizer's (see
         `decode`)."""
         path = os.fspath(path)
-        tok_path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_path):
-            raise FileNotFoundError(f"{path}: directory has no tokenizer.json")
+        tok_path = hf_tokenizer_file(path)
         try:
             tok = tokenizers.Tokenizer.from_file(tok_path)
         except Exception as e:  # the Rust side raises a bare Exception on bad files

@@ -113,3 +113,40 @@ def test_invalid_sampling_params(kwargs, message) -> None:
 def test_sampling_params_count_must_match(llm) -> None:
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()])
+
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+             "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+             "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("change, tokenizer, error, message", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, True, ValueError,
+     "unsupported rope_scaling type 'linear'"),
+    ({"attention_bias": True}, True, ValueError, "attention_bias=true is not supported"),
+    ({}, False, FileNotFoundError, "no tokenizer.json")])
+def test_load_refuses_a_hf_dir_before_reading_its_weights(tmp_path, monkeypatch, change: dict,
+                                                          tokenizer: bool, error: type,
+                                                          message: str) -> None:
+    """`load` of a HF directory whose config infer cannot run, or which holds no tokenizer,
+    fails before its shards are read (a large model's minutes); LLM() did, load() read every
+    tensor first."""
+    import json
+
+    from infer.io import checkpoint
+
+    def read(path):
+        raise AssertionError(f"read {path} before the config and tokenizer were checked")
+
+    monkeypatch.setattr(checkpoint, "_read_safetensors", read)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG | change))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    if tokenizer:
+        (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(error, match=message):
+        load(str(tmp_path))
+    if change:  # the same directory with a config infer runs does reach the read
+        (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+        with pytest.raises(AssertionError, match="before the config and tokenizer"):
+            load(str(tmp_path))
