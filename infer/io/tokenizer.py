@@ -389,15 +389,21 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         messages = _validate_messages(messages)
 
-        def text(token_id: int | None) -> str:
-            return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
-
-        return _compile_template(self._chat_template).render(
-            # As HF passes them: templates with tool or document sections test these for none.
-            messages=messages, tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=text(self._bos_id), eos_token=text(self._eos_ids[0] if self._eos_ids else None),
-            unk_token=text(self._unk_id), pad_token=text(self._pad_id))
+        # As HF passes them: a token the tokenizer lacks stays undefined (templates test
+        # `pad_token is defined`), and templates with tool or document sections test these
+        # for none.
+        special = {name: self._tok.id_to_token(token_id) for name, token_id in (
+            ("bos_token", self._bos_id), ("eos_token", self._eos_ids[0] if self._eos_ids else None),
+            ("unk_token", self._unk_id), ("pad_token", self._pad_id)) if token_id is not None}
+        try:
+            return _compile_template(self._chat_template).render(
+                messages=messages, tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{name: text for name, text in special.items() if text is not None})
+        except (jinja2.TemplateError, TypeError) as e:
+            # The template failed on these messages (an index past the conversation, an
+            # operation on a missing field): theirs to change, as its raise_exception is.
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from e
 
 
 def _read_json(path: str) -> dict[str, Any]:

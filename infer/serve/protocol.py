@@ -523,7 +523,7 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
                     raise ApiError(400, f"messages[{i}].content: only text parts are supported, "
                                         f"got {part!r:.80}", "messages")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins a message's text parts
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text "
                                 f"parts, got {content!r:.80}", "messages")

@@ -130,6 +130,39 @@ def test_chat_template_raise_exception(tok: Tokenizer) -> None:
         strict.apply_chat_template([{"role": "assistant", "content": "no"}])
 
 
+@pytest.mark.parametrize("template, messages", [
+    ("{{ messages[1]['content'] }}", [{"role": "user", "content": "only one"}]),
+    ("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "text"}]),
+    ("{{ messages[0]['content'].missing() }}", [{"role": "user", "content": "text"}])])
+def test_chat_template_failures_are_value_errors(tok: Tokenizer, template: str,
+                                                 messages: list) -> None:
+    """A template that fails on the messages it is given (an index past the conversation, an
+    operation the content does not take) is the messages' error, as its raise_exception is: a
+    ValueError naming the chat template (a 400 from the server), not jinja's own exception
+    (a 500)."""
+    custom = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                       chat_template=template)
+    with pytest.raises(ValueError, match="chat template: "):
+        custom.apply_chat_template(messages)
+
+
+def test_chat_template_sees_missing_special_tokens_as_undefined(tok: Tokenizer) -> None:
+    """As transformers passes them: a special token the tokenizer lacks is undefined in the
+    template, not an empty string that `is defined` takes for a token."""
+    template = ("{% if pad_token is defined %}[pad {{ pad_token }}]{% endif %}"
+                "{% if unk_token is defined %}[unk {{ unk_token }}]{% endif %}"
+                "{{ bos_token }}{{ messages[0]['content'] }}")
+    message = [{"role": "user", "content": "hi"}]
+    bos = tok.backend.id_to_token(tok.bos_id)
+    bare = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                     chat_template=template)
+    assert bare.apply_chat_template(message) == f"{bos}hi"
+    padded = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                       chat_template=template, pad_id=tok.eos_ids[0], unk_id=0)
+    pad, unk = tok.backend.id_to_token(tok.eos_ids[0]), tok.backend.id_to_token(0)
+    assert padded.apply_chat_template(message) == f"[pad {pad}][unk {unk}]{bos}hi"
+
+
 def test_bos_is_never_added_twice(tok: Tokenizer) -> None:
     """A tokenizer that adds BOS (Llama 3's) under a template that writes `bos_token`: the
     rendered chat gets one BOS, as a prompt without it gets one added."""

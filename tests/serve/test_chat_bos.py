@@ -162,3 +162,30 @@ def test_a_bad_max_completion_tokens_is_named_as_sent(value: int) -> None:
     with pytest.raises(ApiError) as e:
         _parse({"messages": [{"role": "user", "content": "x" * 80}]})
     assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("template", ["{{ messages[1]['content'] }}",
+                                      "{{ messages[0]['content'] + 1 }}"])
+def test_a_template_failing_on_the_messages_is_a_400(template: str) -> None:
+    """A template that fails on these messages otherwise than by raise_exception (jinja's
+    UndefinedError, a TypeError) is the request's error too: vLLM answers 400; it was a 500."""
+    served = ServedModel(name="m", root="m", max_model_len=64, max_num_seqs=1,
+                         tokenizer=_tokenizer(template))
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+    with pytest.raises(ApiError) as e:
+        parse_chat(body, served, lambda **kwargs: kwargs, 0.0)
+    assert e.value.status == 400 and e.value.param == "messages", e.value.envelope()
+    assert "chat template" in e.value.envelope()["error"]["message"]
+
+
+def test_text_parts_join_with_newlines_as_vllm_joins_them() -> None:
+    """A message's content given as text parts is the parts joined by newlines (vLLM's
+    string content format): the same prompt ids as that string."""
+    tok = _tokenizer(PLAIN)
+    served = ServedModel(name="m", root="m", max_model_len=64, max_num_seqs=1, tokenizer=tok)
+    ids = []
+    for content in ([{"type": "text", "text": "Line one."}, {"type": "text", "text": "Two."}],
+                    "Line one.\nTwo."):
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        parse_chat(body, served, lambda **kwargs: ids.append(kwargs["prompt_token_ids"]), 0.0)
+    assert ids[0] == ids[1] == tok.encode("<|user|>Line one.\nTwo.", add_bos=False)

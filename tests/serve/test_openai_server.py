@@ -104,7 +104,7 @@ def test_every_answer_and_event_carries_the_servers_fingerprint(running) -> None
 def test_chat_equals_llm_chat_plain_streamed_and_as_parts(running) -> None:
     client = running.client()
     messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "Name a planet."}]
+                {"role": "user", "content": "Name a planet.\nOne word."}]
     want = running.llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0]
     got = client.chat.completions.create(model="smollm2-4l", messages=messages, temperature=0,
                                          max_tokens=10)
@@ -112,8 +112,9 @@ def test_chat_equals_llm_chat_plain_streamed_and_as_parts(running) -> None:
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.text
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
-    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a "},
-                                                       {"type": "text", "text": "planet."}]}]
+    # Text parts join with newlines, as vLLM joins them.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a planet."},
+                                                       {"type": "text", "text": "One word."}]}]
     chunks = list(client.chat.completions.create(model="smollm2-4l", messages=parts,
                                                  temperature=0, max_completion_tokens=10,
                                                  stream=True))
