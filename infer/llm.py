@@ -22,7 +22,8 @@ from infer.platform import enable_compilation_cache
 from infer.sampling_params import SamplingParams
 from infer.spec.config import SpeculativeConfig
 
-Conversation = list[dict[str, str]]
+# content: a string, or OpenAI text parts ([{"type": "text", "text": ...}])
+Conversation = list[dict[str, str | list[dict[str, str]]]]
 
 
 def _speculative(spec: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

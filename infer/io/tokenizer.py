@@ -106,16 +106,35 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def join_text_parts(content: Any, where: str) -> Any:
+    """A message's content given as OpenAI text parts ([{"type": "text", "text": ...}]) as
+    one string, the parts joined by newlines as vLLM joins them; any other content as it is.
+    ValueError for a part that is not text."""
+    if not isinstance(content, (list, tuple)):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, Mapping) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise ValueError(f"{where}: only text parts are supported, got {part!r:.80}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _validate_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
+        m = dict(m, content=join_text_parts(m.get("content"), f"messages[{i}].content"))
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {m.get(key)!r:.80}")
-    return [dict(m) for m in messages]
+                raise ValueError(f"messages[{i}][{key!r}] must be a string (content: or a list "
+                                 f"of text parts), got {m.get(key)!r:.80}")
+        checked.append(m)
+    return checked
 
 
 def hf_tokenizer_file(path: str | os.PathLike[str]) -> str:

@@ -15,7 +15,7 @@ import uuid
 from typing import Callable, Mapping, Sequence
 
 from infer.engine.request import Request, RequestOutput, TokenLogprob
-from infer.io.tokenizer import Tokenizer
+from infer.io.tokenizer import Tokenizer, join_text_parts
 from infer.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput, is_integer
 
 log = logging.getLogger("infer")
@@ -514,16 +514,10 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}] must be an object with role system, user or "
                                 f"assistant, got {m!r:.80}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, Mapping) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported, "
-                                        f"got {part!r:.80}", "messages")
-                parts.append(part["text"])
-            content = "\n".join(parts)  # as vLLM joins a message's text parts
+        try:
+            content = join_text_parts(m.get("content"), f"messages[{i}].content")
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text "
                                 f"parts, got {content!r:.80}", "messages")

@@ -114,10 +114,23 @@ def test_chat_template_matches_hf(tok: Tokenizer, hf_tok, messages, add_generati
     [{"role": "user", "content": 3}],
     [{"content": "hi"}],
     [{"role": None, "content": "hi"}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": [{"type": "text", "text": 3}]}],
 ])
 def test_chat_template_rejects_bad_messages(tok: Tokenizer, messages) -> None:
     with pytest.raises(ValueError, match="messages"):
         tok.apply_chat_template(messages)
+
+
+def test_chat_content_as_text_parts_is_the_parts_joined_by_newlines(tok: Tokenizer) -> None:
+    """OpenAI-style content parts reach the template as vLLM passes them (one string, the
+    parts joined by newlines), for LLM.chat as for the server; they were refused."""
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "One."},
+                                          {"type": "text", "text": "Two."}]}]
+    joined = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "One.\nTwo."}]
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template(joined)
 
 
 def test_chat_template_raise_exception(tok: Tokenizer) -> None:
