@@ -40,6 +40,7 @@ from infer.sampling_params import SamplingParams, is_real
 from infer.spec.config import SpeculativeConfig, make_proposer
 from infer.structured import GrammarCompiler
 from kernels_pallas.kv_quant import resolve_kv_format
+from kernels_pallas.paged_attention.api import check_backend_limits
 
 Callback = Callable[[RequestOutput], None]
 
@@ -106,9 +107,17 @@ class EngineConfig:
 
     def check_model(self, model_config: LlamaConfig) -> None:
         """What the model's shapes rule out of these settings (LLM asks before it reads the
-        weights): int4_kivi's page geometry over the model's head dim."""
-        if self._kv_format() == kivi.KIVI_FORMAT:
+        weights, an Engine when it is made): int4_kivi's page geometry over the model's head
+        dim; what this host's Pallas kernels cannot lower (a GPU's Triton blocks: a page size
+        or int4 group count that is not a power of two), refused here rather than when the
+        first step is traced."""
+        kv_format = self._kv_format()
+        if kv_format == kivi.KIVI_FORMAT:
             kivi.check_geometry(model_config.head_dim, self.page_size)
+        elif self.attention_backend == "pallas":
+            # "auto" is the weights' float32 or bfloat16, whose limits are the same.
+            check_backend_limits("auto", self.page_size, model_config.head_dim,
+                                 "float32" if kv_format == "auto" else kv_format)
 
     def _kv_format(self) -> str:
         """The cache format's canonical name; "auto" (the weights' dtype, never a quantized
@@ -142,6 +151,7 @@ class Engine:
         weights are placed on (`infer.parallel`), for tensor parallelism. On one CPU device the
         engine runs a copy of the model with its projections in the CPU kernel's tile layout
         where that layout applies (`infer.model.llama.tile_weights`; `self.model`)."""
+        config.check_model(model.config)
         if mesh is None and runner is None:
             model = tile_weights(model)
         self.model = model

@@ -107,21 +107,23 @@ def _resolve_backend(backend: str, interpret: Interpret) -> tuple[str, Interpret
     return backend, interpret
 
 
-def _check_backend_limits(backend: str, k_pages: jax.Array, k_scales: jax.Array | None,
-                          kv_format: str) -> None:
-    """What a backend's lowering cannot do, refused before lowering starts."""
-    G = k_pages.shape[2]
-    if backend == "gpu" and G & (G - 1):
+def check_backend_limits(backend: str, page_size: int, head_dim: int, kv_format: str) -> None:
+    """What a backend's lowering cannot do, refused before lowering starts (and by an engine
+    when it is configured): UnsupportedKernelConfig naming the constraint. backend "auto" is
+    the one this host's kernels would take."""
+    backend, _ = _resolve_backend(backend, False)
+    if backend == "gpu" and page_size & (page_size - 1):
         # Triton blocks are powers of two, and a page is the block the GPU kernel loads.
-        raise UnsupportedKernelConfig(f"the GPU kernel needs a power-of-two page size, got G={G} "
-                                      f"(k_pages {k_pages.shape})")
-    groups = k_scales.shape[-1] // 2 if resolve_kv_format(kv_format) == "int4" else 1
-    if backend == "gpu" and groups & (groups - 1):
-        # The GPU kernel loads a page's int4 scales (and lows) as one [G, groups] block, which
-        # Triton cannot lower unless groups is a power of two (D=96: 3 groups of 32).
-        raise UnsupportedKernelConfig(
-            f"the GPU kernel needs a power-of-two number of int4 groups, got {groups} "
-            f"(head dim D={2 * k_pages.shape[-1]}, k_scales {k_scales.shape})")
+        raise UnsupportedKernelConfig(f"the GPU kernel needs a power-of-two page size, got "
+                                      f"G={page_size}")
+    if backend == "gpu" and resolve_kv_format(kv_format) == "int4":
+        groups = scale_groups(head_dim, "int4") // 2
+        if groups & (groups - 1):
+            # The GPU kernel loads a page's int4 scales (and lows) as one [G, groups] block,
+            # which Triton cannot lower unless groups is a power of two (D=96: 3 groups of 32).
+            raise UnsupportedKernelConfig(
+                f"the GPU kernel needs a power-of-two number of int4 groups, got {groups} "
+                f"(head dim D={head_dim})")
 
 
 def check_kernel_format(kv_format: str) -> None:
@@ -256,7 +258,7 @@ def paged_attention(
     _validate(q.shape, k_pages, v_pages, lengths, page_tables, k_scales, v_scales, kv_format,
               pages_per_block, num_splits)
     backend, interpret = _resolve_backend(backend, interpret)
-    _check_backend_limits(backend, k_pages, k_scales, kv_format)
+    check_backend_limits(backend, k_pages.shape[2], q.shape[-1], kv_format)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     # Decode is the one-token case of the prefill kernel: q_len 1 (0 for an empty sequence).
     q_lens = jnp.minimum(lengths, 1)
@@ -335,7 +337,7 @@ def paged_prefill_attention(
         raise ValueError(f"q_lens {qls.tolist()} exceed lengths {lens.tolist()}: the new tokens "
                          f"count in lengths")
     backend, interpret = _resolve_backend(backend, interpret)
-    _check_backend_limits(backend, k_pages, k_scales, kv_format)
+    check_backend_limits(backend, k_pages.shape[2], q.shape[-1], kv_format)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     return _paged_attention_pallas(q, k_pages, v_pages, lengths, q_lens, page_tables, k_scales,
                                    v_scales, tree_mask, kv_format=kv_format, sm_scale=sm_scale,
@@ -383,7 +385,9 @@ def ragged_paged_attention(
     """
     if q.ndim != 3:
         raise ValueError(f"q {q.shape} must be [N, H, D]")
-    B = page_tables.shape[0] if page_tables.ndim == 2 else -1
+    if page_tables.ndim != 2:
+        raise ValueError(f"page_tables {page_tables.shape} must be [B, max_pages]")
+    B = page_tables.shape[0]
     if cu_q_lens.shape != (B + 1,) or not jnp.issubdtype(cu_q_lens.dtype, jnp.integer):
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} {cu_q_lens.dtype} must be integer "
                          f"[B + 1] = ({B + 1},) (page_tables {page_tables.shape})")
@@ -404,9 +408,9 @@ def ragged_paged_attention(
             raise ValueError(f"query counts {q_lens.tolist()} (cu_q_lens) exceed lengths "
                              f"{lens.tolist()}: the new tokens count in lengths")
     backend, interpret = _resolve_backend(backend, interpret)
-    _check_backend_limits(backend, k_pages, k_scales, kv_format)
+    check_backend_limits(backend, k_pages.shape[2], q.shape[-1], kv_format)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
-    if q.shape[0] == 0:  # no tokens: nothing to gather the padded rows from
+    if q.shape[0] == 0 or B == 0:  # no tokens, or no rows: every token is padding
         return jnp.zeros(q.shape, q.dtype)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -427,4 +431,4 @@ def ragged_paged_attention(
 
 
 __all__ = ["paged_attention", "paged_prefill_attention", "ragged_paged_attention",
-           "UnsupportedKernelConfig"]
+           "UnsupportedKernelConfig", "check_backend_limits"]

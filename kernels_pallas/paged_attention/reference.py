@@ -132,6 +132,8 @@ def ragged_paged_attention_reference(
     and position from cu_q_lens and attends to its row's gathered keys, with no padded rows
     (the kernels' path pads, so the two meet only in their results)."""
     N, H, D = q.shape
+    if N == 0 or page_tables.shape[0] == 0:  # no tokens, or no rows: every token is padding
+        return jnp.zeros(q.shape, q.dtype)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     k = gather_kv(k_pages, k_scales, page_tables, kv_format)  # [B, S, K, D]
     v = gather_kv(v_pages, v_scales, page_tables, kv_format)

@@ -6,6 +6,7 @@ platform's kernel call, or be refused up front by the entry point with Unsupport
 naming the constraint; a lowering crash fails the test.
 """
 
+import jax
 import pytest
 
 from kernels_pallas.kv_quant import PAGE_FORMATS, SUPPORTED_KV_FORMATS
@@ -46,6 +47,36 @@ def test_lowering_emits_the_platform_kernel(platform: str) -> None:
     for kind in lowering.STEP_KINDS:
         text = lowering.lower(platform, "int8", kind, lowering.GEOMETRIES[0]).as_text()
         assert KERNEL_CALL[platform] in text, kind
+
+
+@pytest.mark.parametrize("page_size, head_dim, kv_format, gpu_refuses", [
+    (16, 64, "int4", None), (12, 64, "bfloat16", "power-of-two page size, got G=12"),
+    (16, 96, "int4", "power-of-two number of int4 groups, got 3"), (16, 96, "int8", None)])
+def test_an_engine_on_a_gpu_host_refuses_what_its_kernel_cannot_lower(
+        monkeypatch, page_size: int, head_dim: int, kv_format: str, gpu_refuses: str | None
+        ) -> None:
+    """EngineConfig.check_model (LLM before the read, an Engine when made) refuses the GPU
+    kernel's limits on a GPU host; they surfaced only when the first step was traced there,
+    and no CPU run met them (auto takes the TPU-style kernel here)."""
+    from infer.engine.engine import EngineConfig
+    from infer.model.config import get_config
+    from kernels_pallas.paged_attention.api import check_backend_limits
+
+    model = get_config("tiny").replace(head_dim=head_dim)
+    config = EngineConfig(attention_backend="pallas", page_size=page_size,
+                          kv_cache_dtype=kv_format)
+    config.check_model(model)  # this CPU host: the TPU-style kernel takes all of them
+    check_backend_limits("tpu", page_size, head_dim, kv_format)
+    EngineConfig(page_size=page_size, kv_cache_dtype=kv_format).check_model(model)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    EngineConfig(page_size=page_size, kv_cache_dtype=kv_format).check_model(model)  # reference
+    if gpu_refuses is None:
+        config.check_model(model)
+        return
+    for check in (lambda: config.check_model(model),
+                  lambda: check_backend_limits("gpu", page_size, head_dim, kv_format)):
+        with pytest.raises(UnsupportedKernelConfig, match=gpu_refuses):
+            check()
 
 
 @pytest.mark.parametrize("page_size", [8, 12, 32])

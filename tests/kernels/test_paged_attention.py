@@ -207,7 +207,7 @@ class TestPagedKernels:
                     call()
             if not interpret:
                 return
-            monkeypatch.setattr(paged_api, "_check_backend_limits", lambda *args: None)
+            monkeypatch.setattr(paged_api, "check_backend_limits", lambda *args: None)
         out = paged_prefill_attention(q, k, v, lens, q_lens, table, **kw, backend=backend,
                                       interpret=interpret)
         ref = paged_prefill_attention_reference(q, k, v, lens, q_lens, table, **kw)
@@ -426,6 +426,20 @@ def test_ragged_validation():
         call(lengths=lengths.at[1].set(3))
     with pytest.raises(ValueError, match=r"cu_q_lens \(6,\)"):
         call(cu_q_lens=cu[:-1])
+    with pytest.raises(ValueError, match=r"page_tables \(\d+,\) must be \[B, max_pages\]"):
+        call(page_tables=table[0])
+
+
+def test_ragged_without_rows_is_all_padding():
+    """B = 0 rows with N > 0 tokens (every token padding): zeros, as the docstring says, from
+    the kernels and the reference alike; both failed gathering from an empty batch."""
+    k, v, _, _, table, _, _, q = ragged_case(9, "float32")
+    no_rows = dict(lengths=jnp.zeros((0,), jnp.int32), cu_q_lens=jnp.zeros((1,), jnp.int32),
+                   page_tables=table[:0])
+    out = ragged_paged_attention(q, k, v, **no_rows, max_q_len=RAGGED_T)
+    ref = ragged_paged_attention_reference(q, k, v, **no_rows)
+    assert out.shape == ref.shape == q.shape
+    assert not np.any(np.asarray(out)) and not np.any(np.asarray(ref))
 
 
 # --- numpy_kv against kv_quant: a bug in either shows up here --------------------------------
