@@ -70,14 +70,15 @@ def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = 
     its weights are read: settings the model's shapes rule out fail first."""
     weight_dtype = resolve_dtype(dtype)  # before the read: a GGUF takes seconds to dequantize
     path, name = resolve_path(name_or_path)
-    if os.path.isdir(path):
-        hf_tokenizer_file(path)  # a directory of weights alone fails before they are read
 
     def check(hf_config: dict) -> None:
-        # An unsupported config (a rope type, a bias) fails before the tensors are read too.
+        # Before the tensors are read: an unsupported config (a rope type, a bias), settings
+        # it rules out, then a directory with no tokenizer.
         config = LlamaConfig.from_hf_dict(hf_config, name=name)
         if check_config is not None:
             check_config(config)
+        if os.path.isdir(path):
+            hf_tokenizer_file(path)
 
     checkpoint = read_checkpoint(path, check)
     config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)

@@ -806,6 +806,7 @@ def test_llm_refuses_what_the_models_shapes_rule_out_before_the_weights(
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+    (hf_dir / "tokenizer.json").write_text("{}")  # present: a directory without one stops first
     for model in ("smollm2-135m", str(hf_dir)):
         with pytest.raises(ValueError, match=refusal):
             LLM(model=model, compilation_cache=False, **settings)
