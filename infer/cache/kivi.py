@@ -31,6 +31,13 @@ page is whole too. Why two pages and not one: with one, a token just past a page
 the whole previous page quantized; reading it exact too raised the simulated top-1 agreement
 from 95.8% to 96.8% (`experiments.int4_keys`), and a rollback across a boundary (rejected draft
 tokens) then re-quantizes the earlier page from exact values, not from its dequantized self.
+A rollback cannot undo a write that crossed into the next page, though: that page's ring entry
+is the previous page's, whose exact copy it evicted. So speculation over this format verifies
+no drafts past the page of a row's next position (`SchedulerConfig.drafts_within_page`), and
+rejected drafts leave the window as plain decoding would.
+Pages a request takes from the prefix cache (its own too, when preemption sends it back to
+recompute) never enter its window, which holds what it writes: a prefix hit's last pages read quantized where the request alone would
+have read them exact, so with prefix caching outputs can differ slightly from a lone run.
 """
 
 from __future__ import annotations

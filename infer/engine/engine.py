@@ -188,7 +188,8 @@ class Engine:
             max_model_len=max_model_len, policy=config.scheduler,
             static_max_wait_s=config.static_max_wait_s,
             num_speculative_tokens=config.speculative.reserved_slots if config.speculative else 0,
-            mixed_steps=config.mixed_steps),
+            mixed_steps=config.mixed_steps,
+            drafts_within_page=kv_format == kivi.KIVI_FORMAT),
             self.allocator, prefix_cache=self.prefix_cache)
         runner_config = RunnerConfig(
             num_pages=num_pages, page_size=config.page_size, kv_format=kv_format,

@@ -72,6 +72,10 @@ class SchedulerConfig:
     static_max_wait_s: float = float("inf")
     num_speculative_tokens: int = 0  # drafts a decode row may verify per step
     mixed_steps: bool = False  # a chunk and the decode rows in one step, when both are pending
+    # Drafts stay in the page of the row's next position: a cache whose state a rollback
+    # cannot restore once a write crossed into the next page (int4_kivi's window ring, where
+    # that page's entry evicts the previous page's exact copy) verifies no further.
+    drafts_within_page: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -404,14 +408,18 @@ class Scheduler:
                         draft_limits=[0] * len(plan.decode), ahead=True)
 
     def _draft_limit(self, seq: SeqState) -> int:
-        """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens) or
-        past max_model_len; none for a row asking for logprobs or structured output, which
+        """Drafts worth verifying: none past max_tokens (the step emits drafts + 1 tokens),
+        past max_model_len, or (drafts_within_page) past the page of the row's next position;
+        none for a row asking for logprobs or structured output, which
         hold for one position (it samples as a plain step would, beside batch-mates that
         verify drafts)."""
         if seq.request.params.plain_steps_only:
             return 0
         left = seq.request.params.max_tokens - len(seq.request.output_ids) - 1
         room = self.config.max_model_len - seq.num_computed - 1
+        if self.config.drafts_within_page:
+            g = self.allocator.page_size
+            room = min(room, g - 1 - seq.num_computed % g)
         return max(0, min(self.config.num_speculative_tokens, left, room))
 
     def _preempt(self, seq: SeqState) -> None:

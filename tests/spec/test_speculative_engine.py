@@ -224,6 +224,34 @@ def test_full_depth_self_draft_is_always_accepted_smollm2(smollm2_4_layers, num_
     assert stats["acceptance_rate"] >= 0.98, stats
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_int4_kivi_speculation_keeps_greedy_outputs(smollm2_4_layers, seed: int) -> None:
+    """int4_kivi reads a sequence's two newest pages from an exact bfloat16 ring in which
+    page j's entry is page j - 2's: a verify write that crossed into the next page evicted the
+    previous page's exact copy, and a rollback left it evicted, so the rest of the page read it
+    quantized and greedy outputs drifted from plain decoding's. Drafts now stay within the
+    page (`SchedulerConfig.drafts_within_page`): outputs equal, drafts still accepted. Pages
+    of 4 tokens and 4 drafts: most verify steps would reach the next page."""
+    from experiments.common import real_text
+
+    _, model, tokenizer = smollm2_4_layers
+    rng = np.random.default_rng(seed)
+    text = tokenizer.encode(real_text(20_000, offset=100_000))
+    prompts = []
+    for _ in range(8):  # prose, half with a span repeated so that n-gram lookup proposes
+        start, n = int(rng.integers(0, len(text) - 64)), int(rng.integers(4, 24))
+        span = text[start:start + n]
+        prompts.append(span + text[start + n:start + n + 8] + span if rng.random() < 0.5
+                       else text[start:start + 2 * n])
+    params = SamplingParams(max_tokens=int(rng.integers(16, 24)), ignore_eos=True)
+    overrides = dict(kv_cache_dtype="int4_kivi", page_size=4, max_model_len=96)
+    plain, _ = serve(model, tokenizer, prompts, None, params, **overrides)
+    out, stats = serve(model, tokenizer, prompts, SpeculativeConfig("ngram", 4), params,
+                       **overrides)
+    assert out == plain
+    assert stats["accepted"] > 0, stats
+
+
 def test_weights_shipped() -> None:
     """The defaults of SpeculativeConfig point at weights committed in the repository."""
     for name in ("draft_smollm2.safetensors", "eagle_smollm2.safetensors"):
