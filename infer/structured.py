@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
+import warnings
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -65,7 +67,9 @@ def grammar_source(spec: StructuredOutput) -> str:
 
 def _object_schema(schema: str) -> str:
     """A JSON schema as llguidance takes it with format options: an object. The boolean schemas
-    are written as objects ({} admits any value); `false`, which admits none, is refused."""
+    are written as objects ({} admits any value); `false`, which admits none, is refused, and
+    so is what llguidance would compile into a grammar admitting values the schema does not
+    (`check_schema_for_llguidance`)."""
     try:
         value = json.loads(schema)
     except ValueError:
@@ -74,7 +78,100 @@ def _object_schema(schema: str) -> str:
         return "{}"
     if value is False:
         raise ValueError("the JSON schema false admits no value")
+    check_schema_for_llguidance(value)
     return schema
+
+
+EXACT_INTEGERS = 2 ** 53  # llguidance reads a schema's numbers as float64
+_CONSTRAINING_NUMBERS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum",
+                         "exclusiveMaximum", "multipleOf")
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not subschemas
+
+
+def check_schema_for_llguidance(schema: object, where: str = "schema") -> None:
+    """ValueError naming the keyword for what llguidance (1.9) accepts and then constrains
+    wrongly, so that no output can break its schema silently:
+    - an integer beyond +-2^53 in const, enum or a numeric bound: read as float64 and rounded,
+      so {"const": 1234567890123456789} gave 1234567890123456768;
+    - a `pattern` (or patternProperties key) whose negated class excludes '"' or '\\': the
+      JSON escapes \\" and \\\\ pass it, so "^[^\"]*$" admitted the string a"b."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_schema_for_llguidance(item, f"{where}[{i}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        at = f"{where}.{key}"
+        big = _inexact_integer(value) if key in _CONSTRAINING_NUMBERS else None
+        if big is not None:
+            raise ValueError(f"JSON schema {at}: the integer {big} is beyond +-2^53, which the "
+                             "grammar compiler reads as a float and rounds")
+        if key in _DATA_KEYWORDS:
+            continue
+        if key == "pattern" and isinstance(value, str):
+            _check_pattern(value, at)
+        if key == "patternProperties" and isinstance(value, dict):
+            for pattern in value:
+                _check_pattern(pattern, f"{at} key")
+        check_schema_for_llguidance(value, at)
+
+
+def _inexact_integer(value: object) -> int | None:
+    """The first integer in a JSON value that float64 cannot hold exactly, or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if abs(value) > EXACT_INTEGERS else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((big for big in map(_inexact_integer, items) if big is not None), None)
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    import re._constants as sre
+    import re._parser
+
+    try:
+        with warnings.catch_warnings():  # Python's future set syntax ([[:alpha:]]) warns
+            warnings.simplefilter("ignore")
+            tree = re._parser.parse(pattern)
+    except re.error:
+        return  # a dialect Python does not read (llguidance's is Rust's): left to llguidance
+    for ch in ('"', "\\"):
+        if _negated_class_excludes(tree, ord(ch), sre):
+            raise ValueError(f"JSON schema {where} {pattern!r}: a negated character class "
+                             f"excluding {ch!r} is not enforced by the grammar compiler (the "
+                             f"JSON escape of {ch!r} passes it); spell the allowed characters "
+                             "out instead")
+
+
+def _negated_class_excludes(tree: object, code: int, sre: object) -> bool:
+    """Whether a parsed regex holds a negated class ([^...]) that excludes character `code`."""
+    categories = {sre.CATEGORY_DIGIT: r"\d", sre.CATEGORY_NOT_DIGIT: r"\D",
+                  sre.CATEGORY_SPACE: r"\s", sre.CATEGORY_NOT_SPACE: r"\S",
+                  sre.CATEGORY_WORD: r"\w", sre.CATEGORY_NOT_WORD: r"\W"}
+
+    def member(item: tuple) -> bool:
+        op, arg = item
+        if op == sre.LITERAL:
+            return arg == code
+        if op == sre.RANGE:
+            return arg[0] <= code <= arg[1]
+        if op == sre.CATEGORY and arg in categories:
+            return re.fullmatch(categories[arg], chr(code)) is not None
+        return False
+
+    def walk(node: object) -> bool:
+        if isinstance(node, tuple) and len(node) == 2 and node[0] == sre.NOT_LITERAL:
+            return node[1] == code
+        if (isinstance(node, tuple) and len(node) == 2 and node[0] == sre.IN and node[1]
+                and node[1][0][0] == sre.NEGATE):
+            return any(member(item) for item in node[1][1:])
+        if isinstance(node, (list, tuple)) or hasattr(node, "data"):
+            return any(walk(child) for child in getattr(node, "data", node))
+        return False
+
+    return walk(tree)
 
 
 class TokenConstraint:

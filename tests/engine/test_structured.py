@@ -217,6 +217,72 @@ def test_a_constraint_nothing_satisfies_is_refused_when_compiled(compiler, spec)
         compiler.constraint(StructuredOutput(**spec))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_integers_float64_cannot_hold_are_refused(compiler, seed: int) -> None:
+    """llguidance reads a schema's numbers as float64: {"const": 1234567890123456789} let
+    1234567890123456768 through, and a minimum of 2^53 + 1 admitted 2^53. Such an integer in
+    const, enum (nested too) or a numeric bound is refused naming where; up to 2^53 compiles."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(6):
+        big = rng.choice([-1, 1]) * rng.randint(2 ** 53 + 1, 2 ** 70)
+        exact = rng.choice([-1, 1]) * rng.randint(0, 2 ** 53)
+        keyword = rng.choice(["const", "enum", "nested", "minimum", "maximum", "multipleOf"])
+
+        def schema(n: int) -> dict:
+            if keyword == "enum":
+                return {"enum": ["a", n]}
+            if keyword == "nested":
+                return {"type": "object", "properties": {"id": {"const": {"k": [n]}}}}
+            if keyword == "multipleOf":
+                return {"type": "integer", "multipleOf": abs(n) or 1}
+            return {"type": "integer", keyword: n} if keyword != "const" else {"const": n}
+
+        refused = abs(big) if keyword == "multipleOf" else big
+        with pytest.raises(ValueError, match=f"integer {refused} is beyond"):
+            compiler.constraint(StructuredOutput(json=schema(big)))
+        if keyword in ("const", "enum", "nested"):
+            compiler.constraint(StructuredOutput(json=schema(exact)))
+        else:  # llguidance may refuse a bound this long itself, but not for this reason
+            try:
+                compiler.constraint(StructuredOutput(json=schema(exact)))
+            except ValueError as e:
+                assert "beyond" not in str(e)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_negated_classes_excluding_a_quote_or_backslash_are_refused(compiler, smollm2,
+                                                                    seed: int) -> None:
+    """A string pattern (or patternProperties key) with a negated class: llguidance lets the
+    JSON escapes \\" and \\\\ through it, so "^[^\"]*$" admitted the value a"b. Classes that
+    exclude '"' or '\\' (by a literal, a range or \\W) are refused; the others compile and
+    admit the escaped characters they allow."""
+    import random
+    import string
+
+    _, _, tokenizer = smollm2
+    rng = random.Random(seed)
+    for _ in range(6):
+        chars = rng.sample(string.ascii_letters + string.digits + "!#$%&", k=rng.randint(1, 4))
+        bad = rng.choice(['"', "\\", "!-#", r"\W", None])
+        members = "".join(chars) + ("\\\\" if bad == "\\" else bad or "")
+        pattern = f"^[^{members}]*$"
+        schema = ({"type": "string", "pattern": pattern} if rng.random() < 0.7 else
+                  {"type": "object", "patternProperties": {pattern: {"type": "integer"}},
+                   "additionalProperties": False})
+        if bad is not None:
+            with pytest.raises(ValueError, match="negated character class excluding"):
+                compiler.constraint(StructuredOutput(json=schema))
+            continue
+        text = '"a\\"b\\\\"' if schema.get("type") == "string" else '{"a\\"b\\\\": 1}'
+        value = json.loads(text)
+        key = value if isinstance(value, str) else next(iter(value))
+        admitted = _admits(compiler, compiler.constraint(StructuredOutput(json=schema)),
+                           tokenizer, text)
+        assert admitted == (re.search(pattern, key) is not None), (pattern, text)
+
+
 def test_a_schema_json_cannot_encode_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="json must be a JSON schema"):
         StructuredOutput(json={"type": "object", "x": {1, 2}})
