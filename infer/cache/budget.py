@@ -113,10 +113,16 @@ def kv_bytes_per_sequence_per_device(config: LlamaConfig, tensor_parallel: int =
     """`kv_bytes_per_sequence` on each of T devices: int4_kivi's window split by KV head, its
     ring's tags whole (they live on one device, which is then the fullest)."""
     _, wide = laid_out(config, tensor_parallel)
+    tags = ring_tag_bytes(config, kv_format)
+    return (kv_bytes_per_sequence(wide, kv_format, page_size) - tags) // tensor_parallel + tags
+
+
+def ring_tag_bytes(config: LlamaConfig, kv_format: str) -> int:
+    """Bytes of a sequence's int4_kivi ring tags, over all layers (one device holds them
+    whole); 0 for every other format."""
     if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
         return 0
-    tags = config.num_layers * kivi.WINDOW_TAG_BYTES
-    return (kv_bytes_per_sequence(wide, kv_format, page_size) - tags) // tensor_parallel + tags
+    return config.num_layers * kivi.WINDOW_TAG_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +139,9 @@ class MemoryBudget:
     device_overhead_bytes: float  # activations, workspace, fragmentation reserve
     device_kv_bytes_per_token: int
     device_kv_bytes_per_sequence: int = 0  # held whatever the length (int4_kivi's window)
+    # Of those, what one device holds for the whole replica (the ring's tags): the fullest
+    # device's share, counted once in the replica's total.
+    sequence_bytes_held_whole: int = 0
     devices: int = 1
     page_size: int = 1  # tokens per page: a sequence holds whole pages
     layout: str = "split"  # how the heads split over the devices (infer.parallel.heads)
@@ -159,7 +168,8 @@ class MemoryBudget:
 
     @property
     def kv_bytes_per_sequence(self) -> int:
-        return self.devices * self.device_kv_bytes_per_sequence
+        whole = self.sequence_bytes_held_whole
+        return self.devices * (self.device_kv_bytes_per_sequence - whole) + whole
 
     @property
     def kv_bytes_available(self) -> float:
@@ -215,6 +225,7 @@ def memory_budget(config: LlamaConfig, *, gpu_memory_gb: float, num_gpus: int = 
                                                                 page_size=page_size),
         device_kv_bytes_per_sequence=kv_bytes_per_sequence_per_device(config, num_gpus, name,
                                                                       page_size),
+        sequence_bytes_held_whole=ring_tag_bytes(config, name),
         devices=num_gpus, layout=layout.way, page_size=page_size)
 
 

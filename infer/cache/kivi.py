@@ -36,8 +36,9 @@ is the previous page's, whose exact copy it evicted. So speculation over this fo
 no drafts past the page of a row's next position (`SchedulerConfig.drafts_within_page`), and
 rejected drafts leave the window as plain decoding would.
 Pages a request takes from the prefix cache (its own too, when preemption sends it back to
-recompute) never enter its window, which holds what it writes: a prefix hit's last pages read quantized where the request alone would
-have read them exact, so with prefix caching outputs can differ slightly from a lone run.
+recompute) never enter its window, which holds what it writes: a prefix hit's last pages read
+quantized where the request alone would have read them exact, so with prefix caching outputs
+can differ slightly from a lone run.
 """
 
 from __future__ import annotations

@@ -414,8 +414,11 @@ class Tokenizer:
         special = {name: self._tok.id_to_token(token_id) for name, token_id in (
             ("bos_token", self._bos_id), ("eos_token", self._eos_ids[0] if self._eos_ids else None),
             ("unk_token", self._unk_id), ("pad_token", self._pad_id)) if token_id is not None}
+        # Compiled outside the try: a template that does not parse is the model's fault (a
+        # server error), not the messages'.
+        template = _compile_template(self._chat_template)
         try:
-            return _compile_template(self._chat_template).render(
+            return template.render(
                 messages=messages, tools=None, documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **{name: text for name, text in special.items() if text is not None})

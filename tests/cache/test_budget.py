@@ -222,7 +222,7 @@ def test_budget_counts_the_heads_as_laid_out(seed: int):
         # int4_kivi's ring tags stay whole on one device, as the norms below do
         tags = config.num_layers * 16 if fmt == "int4_kivi" else 0
         assert b.device_kv_bytes_per_sequence * t - (t - 1) * tags == kv_bytes_per_sequence(
-            wide, fmt)
+            wide, fmt) == b.kv_bytes_per_sequence
         norms = norm_bytes(config, kw["weight_dtype"])
         assert b.device_weight_bytes * t - (t - 1) * norms == weight_bytes(wide, kw["weight_dtype"])
         context = rng.choice([500, 512, 4096, 32768])

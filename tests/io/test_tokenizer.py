@@ -7,6 +7,7 @@ import re
 from pydoc_data.topics import topics
 
 import numpy as np
+import jinja2
 import pytest
 from tokenizers import models
 
@@ -157,6 +158,12 @@ def test_chat_template_failures_are_value_errors(tok: Tokenizer, template: str,
                        chat_template=template)
     with pytest.raises(ValueError, match="chat template: "):
         custom.apply_chat_template(messages)
+    # A template that does not parse is the model's fault, not the messages': not a ValueError
+    # (the server's 400), jinja's own error.
+    broken = Tokenizer(tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos=False,
+                       chat_template="{% if %}" + template)
+    with pytest.raises(jinja2.TemplateSyntaxError):
+        broken.apply_chat_template(messages)
 
 
 def test_chat_template_sees_missing_special_tokens_as_undefined(tok: Tokenizer) -> None:
