@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import re._constants as sre
+import re._parser
 import threading
 import warnings
 from typing import TYPE_CHECKING, Sequence
@@ -128,9 +130,6 @@ def _inexact_integer(value: object) -> int | None:
 
 
 def _check_pattern(pattern: str, where: str) -> None:
-    import re._constants as sre
-    import re._parser
-
     try:
         with warnings.catch_warnings():  # Python's future set syntax ([[:alpha:]]) warns
             warnings.simplefilter("ignore")
@@ -138,14 +137,14 @@ def _check_pattern(pattern: str, where: str) -> None:
     except re.error:
         return  # a dialect Python does not read (llguidance's is Rust's): left to llguidance
     for ch in ('"', "\\"):
-        if _negated_class_excludes(tree, ord(ch), sre):
+        if _negated_class_excludes(tree, ord(ch)):
             raise ValueError(f"JSON schema {where} {pattern!r}: a negated character class "
                              f"excluding {ch!r} is not enforced by the grammar compiler (the "
                              f"JSON escape of {ch!r} passes it); spell the allowed characters "
                              "out instead")
 
 
-def _negated_class_excludes(tree: object, code: int, sre: object) -> bool:
+def _negated_class_excludes(tree: object, code: int) -> bool:
     """Whether a parsed regex holds a negated class ([^...]) that excludes character `code`."""
     categories = {sre.CATEGORY_DIGIT: r"\d", sre.CATEGORY_NOT_DIGIT: r"\D",
                   sre.CATEGORY_SPACE: r"\s", sre.CATEGORY_NOT_SPACE: r"\S",

@@ -236,4 +236,4 @@ def kv_bytes_per_sequence(config: LlamaConfig, kv_format: str,
     if kv_format_name(kv_format) != kivi.KIVI_FORMAT:
         return 0
     window = config.num_kv_heads * kivi.window_bytes(config.head_dim, page_size)
-    return config.num_layers * (window + kivi.WINDOW_TAG_BYTES)
+    return config.num_layers * window + ring_tag_bytes(config, kv_format)

@@ -81,6 +81,7 @@ def load_on_host(name_or_path: str | os.PathLike[str], dtype: str | jnp.dtype = 
             hf_tokenizer_file(path)
 
     checkpoint = read_checkpoint(path, check)
+    # Parsed again: a GGUF's rope_freqs tensor, read after the check, sets its RoPE scaling.
     config = LlamaConfig.from_hf_dict(checkpoint.hf_config, name=name)
     model = model_from_hf_tensors(config, checkpoint.tensors, weight_dtype)
     return config, model, Tokenizer.from_checkpoint(checkpoint)

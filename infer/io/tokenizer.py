@@ -411,9 +411,9 @@ class Tokenizer:
         # As HF passes them: a token the tokenizer lacks stays undefined (templates test
         # `pad_token is defined`), and templates with tool or document sections test these
         # for none.
-        special = {name: self._tok.id_to_token(token_id) for name, token_id in (
-            ("bos_token", self._bos_id), ("eos_token", self._eos_ids[0] if self._eos_ids else None),
-            ("unk_token", self._unk_id), ("pad_token", self._pad_id)) if token_id is not None}
+        ids = {"bos_token": self._bos_id, "eos_token": self._eos_ids[0] if self._eos_ids else None,
+               "unk_token": self._unk_id, "pad_token": self._pad_id}
+        texts = {name: self._tok.id_to_token(i) for name, i in ids.items() if i is not None}
         # Compiled outside the try: a template that does not parse is the model's fault (a
         # server error), not the messages'.
         template = _compile_template(self._chat_template)
@@ -421,7 +421,7 @@ class Tokenizer:
             return template.render(
                 messages=messages, tools=None, documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **{name: text for name, text in special.items() if text is not None})
+                **{name: text for name, text in texts.items() if text is not None})
         except (jinja2.TemplateError, TypeError) as e:
             # The template failed on these messages (an index past the conversation, an
             # operation on a missing field): theirs to change, as its raise_exception is.
