@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import platform
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -91,6 +92,7 @@ def interleaved_medians(programs: Mapping[str, Callable[..., Any]], args: Sequen
     import jax
 
     check_repeats(repeats)
+    check_repeats(calls, "calls")
 
     for fn in programs.values():
         jax.block_until_ready(fn(*args))
@@ -113,6 +115,8 @@ def first_and_step_time(generate: Callable[[int], Any], tokens: int, repeats: in
     and the median of t(tokens + 1) less that, over tokens (a difference of medians, not the
     median of each repeat's difference)."""
     check_repeats(repeats)
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1 (decode steps timed after the first), got {tokens}")
     generate(tokens + 1)
     first, full = [], []
     for _ in range(repeats):
@@ -194,6 +198,7 @@ class ResultLog:
 
     def __init__(self, path: str, *, resume: bool = False,
                  env: dict[str, Any] | None = None) -> None:
+        check_output_path(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.resume = resume
@@ -438,6 +443,17 @@ def real_text(min_chars: int, offset: int = 0) -> str:
     return text[offset:offset + min_chars]
 
 
+def check_no_nan_flags(experiment_flags: Any) -> None:
+    """Refuses NaN in any float flag: absl's bounds compare false with NaN and let it through,
+    and no experiment has a use for it (it would be written into rows as a figure)."""
+    from absl import flags
+
+    for name in experiment_flags:
+        value = experiment_flags[name].value
+        if isinstance(value, float) and value != value:
+            raise flags.IllegalFlagValueError(f"flag --{name}=nan: not a number")
+
+
 def run_experiment(main: Callable[[list[str]], None], experiment_flags: Any) -> None:
     """`app.run` for an experiment whose flags live in their own `flags.FlagValues`, so that
     experiment modules can be imported side by side (tests, notebooks, one experiment calling
@@ -447,15 +463,93 @@ def run_experiment(main: Callable[[list[str]], None], experiment_flags: Any) -> 
     def parse(argv: list[str]) -> list[str]:
         if {"-h", "-?", "--help", "--helpshort"} & set(argv):  # absl lists only its own flags
             print(experiment_flags.get_help())
-        return experiment_flags(flags.FLAGS(argv, known_only=True))
+        try:
+            rest = experiment_flags(flags.FLAGS(argv, known_only=True))
+            check_no_nan_flags(experiment_flags)
+        except flags.Error as e:  # as absl's own parser: the reason in one line, no traceback
+            sys.exit(f"FATAL Flags parsing error: {e}\nPass --help to see this experiment's flags.")
+        return rest
 
     app.run(main, flags_parser=parse)
 
 
-# A list flag holds strings; `run` says in its annotation what it takes.
+# A list flag holds strings; `run` says in its annotation what it takes (`validate_list_flag`
+# has checked at parse time that the strings convert).
 _FROM_FLAG = {"list[int]": lambda v: [int(x) for x in v],
               "list[float]": lambda v: [float(x) for x in v],
               "tuple[int, int]": lambda v: (int(v[0]), int(v[1]))}
+
+
+def check_output_path(path: str, suffix: str | None = None) -> None:
+    """Refuses an output path that cannot be written, before any work whose result it would
+    hold: an existing directory, a path below an existing file, or (with `suffix`) another
+    extension. Missing folders are fine: the writer makes them."""
+    if not path:
+        raise ValueError("an output path must not be empty")
+    if os.path.isdir(path):
+        raise ValueError(f"output path {path!r} is a directory; name a file in it")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"output path {path!r} lies below {parent!r}, which is a file")
+    if suffix is not None and not path.endswith(suffix):
+        raise ValueError(f"output path {path!r} must end in {suffix}")
+
+
+def validate_output_flag(flag_values: Any, name: str, suffix: str | None = None) -> None:
+    """Has absl refuse a bad output path in flag `name` (`check_output_path`) when the flags are
+    parsed, so that a typo costs no run whose rows, weights or data would then be lost."""
+    from absl import flags
+
+    def valid(path: str) -> bool:
+        try:
+            check_output_path(path, suffix)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+
+    flags.register_validator(name, valid, flag_values=flag_values)
+
+
+def validate_list_flag(flag_values: Any, name: str, *, parse: Callable[[str], Any] = int,
+                       lower_bound: float | None = None, upper_bound: float | None = None,
+                       choices: Sequence[str] | None = None, length: int | None = None,
+                       allow_empty: bool = False) -> None:
+    """Has absl check list flag `name` when the flags are parsed: each entry one of `choices`,
+    or a `parse`-able number within [lower_bound, upper_bound]; `length` entries when given,
+    else at least one unless `allow_empty`. A sweep with a bad point is refused before its
+    first point is measured, not when the point is reached."""
+    from absl import flags
+
+    def valid(values: list[str] | None) -> bool:
+        values = values or []
+        if length is not None and len(values) != length:
+            raise flags.ValidationError(f"--{name} takes {length} comma-separated values, got "
+                                        f"{len(values)}")
+        if not values and not allow_empty:
+            raise flags.ValidationError(f"--{name} must list at least one value")
+        for v in values:
+            if choices is not None:
+                if v not in choices:
+                    raise flags.ValidationError(f"--{name}: {v!r} is not one of "
+                                                f"{', '.join(choices)}")
+                continue
+            try:
+                x = parse(v)
+            except ValueError as e:
+                kind = {int: "an integer", float: "a number"}.get(parse)
+                raise flags.ValidationError(f"--{name}: {v!r} is not {kind}" if kind else
+                                            f"--{name}: {v!r}: {e}") from None
+            if (lower_bound is not None and x < lower_bound) or (
+                    upper_bound is not None and x > upper_bound):
+                bounds = (f">= {lower_bound}" if upper_bound is None else
+                          f"<= {upper_bound}" if lower_bound is None else
+                          f"in [{lower_bound}, {upper_bound}]")
+                raise flags.ValidationError(f"--{name}: {v} must be {bounds}")
+        return True
+
+    flags.register_validator(name, valid, flag_values=flag_values)
 
 
 def flag_kwargs(run_fn: Callable[..., Any], experiment_flags: Any) -> dict[str, Any]:

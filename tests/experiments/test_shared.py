@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -171,3 +172,110 @@ def test_a_rate_that_is_no_rate_is_refused_in_words(rate: float) -> None:
     with pytest.raises(ValueError, match="num_requests"):
         make_workload(list(range(1000)), num_requests=0, rate=2.0, prompt_min=4, prompt_max=8,
                       output_shape=1.5, output_scale=4.0, output_cap=16, seed=0)
+
+
+def test_no_calls_and_no_tokens_are_refused_before_any_call() -> None:
+    """interleaved_medians with calls=0 ended in an UnboundLocalError; first_and_step_time with
+    tokens=0 divided by zero after every timed run."""
+    from experiments.common import first_and_step_time, interleaved_medians
+
+    calls = []
+    fn = lambda *args: calls.append(args) or 0.0
+    with pytest.raises(ValueError, match="calls"):
+        interleaved_medians({"f": fn}, (), repeats=3, calls=0)
+    with pytest.raises(ValueError, match="tokens"):
+        first_and_step_time(fn, 0, repeats=3)
+    assert not calls
+
+
+def test_output_paths_that_cannot_be_written_are_refused(tmp_path) -> None:
+    """A directory, or a path below a file, failed at the first write, after the work; a
+    missing folder is made by the writer."""
+    from experiments.common import ResultLog, check_output_path
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for path, match in [(str(tmp_path), "is a directory"),
+                        (str(a_file / "x.jsonl"), "which is a file"),
+                        (str(a_file / "deeper" / "x.jsonl"), "which is a file"),
+                        ("", "empty")]:
+        with pytest.raises(ValueError, match=match):
+            check_output_path(path)
+        if path:
+            with pytest.raises(ValueError, match=match):
+                ResultLog(path, env={})
+    with pytest.raises(ValueError, match=r"end in \.npz"):
+        check_output_path(str(tmp_path / "data"), suffix=".npz")
+    check_output_path(str(tmp_path / "new" / "folder" / "x.jsonl"))
+    check_output_path(str(a_file))  # an existing file is appended to or replaced
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes="], "--sizes must list at least one value"),
+    (["--sizes=8,0"], "--sizes: 0 must be >= 1"),
+    (["--sizes=8,x"], "--sizes: 'x' is not an integer"),
+    (["--temps=0.7,1.5"], r"--temps: 1.5 must be in \[0, 1\]"),
+    (["--pair=3"], "--pair takes 2 comma-separated values, got 1"),
+    (["--pair=3,4,5"], "--pair takes 2 comma-separated values, got 3"),
+    (["--names=a,c"], "--names: 'c' is not one of a, b"),
+    (["--out=/"], "is a directory"),
+])
+def test_list_and_output_flags_are_checked_when_parsed(argv: list[str], message: str) -> None:
+    from experiments.common import validate_list_flag, validate_output_flag
+    from tests.experiments.flags_util import parses, refusal
+
+    fv = flags.FlagValues()
+    flags.DEFINE_list("sizes", ["1", "8"], "", flag_values=fv)
+    flags.DEFINE_list("temps", ["0", "0.7"], "", flag_values=fv)
+    flags.DEFINE_list("pair", ["3", "4"], "", flag_values=fv)
+    flags.DEFINE_list("names", ["a", "b"], "", flag_values=fv)
+    flags.DEFINE_list("maybe", [], "", flag_values=fv)
+    flags.DEFINE_string("out", "x.jsonl", "", flag_values=fv)
+    validate_list_flag(fv, "sizes", lower_bound=1)
+    validate_list_flag(fv, "temps", parse=float, lower_bound=0, upper_bound=1)
+    validate_list_flag(fv, "pair", length=2)
+    validate_list_flag(fv, "names", choices=["a", "b"])
+    validate_list_flag(fv, "maybe", allow_empty=True)
+    validate_output_flag(fv, "out")
+    parses(fv)
+    parses(fv, "--sizes=2,4", "--temps=1", "--pair=0,0", "--names=b", "--maybe=3")
+    assert re.search(message, refusal(fv, *argv))
+
+
+def test_nan_in_a_float_flag_is_refused() -> None:
+    """absl's bounds compare false with NaN: --gpu_memory_gb=nan passed lower_bound=0 and was
+    written into every row."""
+    from experiments.common import check_no_nan_flags
+
+    fv = flags.FlagValues()
+    flags.DEFINE_float("memory", 80.0, "", lower_bound=0.0, flag_values=fv)
+    flags.DEFINE_integer("count", 1, "", flag_values=fv)
+    fv(["prog", "--memory=nan"])
+    with pytest.raises(flags.IllegalFlagValueError, match="--memory=nan"):
+        check_no_nan_flags(fv)
+    fv(["prog", "--memory=inf"])
+    check_no_nan_flags(fv)  # inf is a bound some flags mean (a rate: all at once)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus=0"], "flag --gpus=0: 0 is not a positive integer"),
+    (["--gpu_memory_gb=nan"], "flag --gpu_memory_gb=nan: not a number"),
+    (["--contexts="], "flag --contexts=[]: --contexts must list at least one value"),
+    (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
+])
+def test_a_bad_flag_ends_the_script_in_one_line(argv: list[str], message: str,
+                                                tmp_path) -> None:
+    """The experiments parse their flags themselves (`run_experiment`): a refused value ended in
+    a traceback through absl's internals, where absl's own parser prints one line."""
+    import subprocess
+    import sys
+
+    from experiments.common import REPO
+
+    out = tmp_path / "o.jsonl"
+    done = subprocess.run([sys.executable, "-m", "experiments.memory_budget", f"--out={out}",
+                           *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"FATAL Flags parsing error: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
