@@ -20,32 +20,50 @@ from __future__ import annotations
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "rows", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
 flags.DEFINE_list("contexts", ["64", "256", "1024"], "tokens a row holds after the step",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "contexts", lower_bound=1)
 flags.DEFINE_list("queries", ["1", "5"], "new tokens a row (1: decode, k + 1: verify, more: "
                   "a prefill chunk; points with more than the context are skipped)",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "queries", lower_bound=1)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "query and cache dtypes", flag_values=FLAGS)
-flags.DEFINE_integer("layers", 30, "layers per program (SmolLM2 has 30)", flag_values=FLAGS)
-flags.DEFINE_integer("page_size", 16, "tokens a page (the engine's default)", flag_values=FLAGS)
-flags.DEFINE_integer("calls", 5, "calls per timing", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)",
+validate_list_flag(FLAGS, "dtypes", choices=["float32", "bfloat16"])  # the kernel's DTYPES
+flags.DEFINE_integer("layers", 30, "layers per program (SmolLM2 has 30)", lower_bound=1,
                      flag_values=FLAGS)
+flags.DEFINE_integer("page_size", 16, "tokens a page (the engine's default)", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("calls", 5, "calls per timing", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/attention_cpu.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def run(*, batch_sizes: list[str], contexts: list[str], queries: list[str], dtypes: list[str],
         layers: int, page_size: int, calls: int, repeats: int, out: str) -> list[dict]:
+    from infer.engine.buckets import window_bucket
+
+    # A window that is not whole pages gives rows fewer slots than the context the row claims
+    # (or none at all).
+    for context in map(int, contexts):
+        if window_bucket(context) % page_size:
+            raise ValueError(f"--page_size must divide every context's window (the context "
+                             f"rounded up to a power of two >= 128), got --page_size={page_size} "
+                             f"for --contexts={context} (window {window_bucket(context)})")
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from experiments.common import ResultLog, interleaved_medians, markdown_table
-    from infer.engine.buckets import window_bucket
     from kernels_cpu import attention as cpu_attention
 
     if not cpu_attention.available():

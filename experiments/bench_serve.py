@@ -50,44 +50,81 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from absl import flags
 
-from experiments.common import environment, markdown_table, run_main
+from experiments.common import (check_output_path, environment, markdown_table, run_main,
+                                validate_list_flag, validate_output_flag)
 from experiments.llama_server import (ensure_llama_server_gguf, free_port, llama_quantize_path,
                                       llama_server_command, llama_server_gguf_path,
                                       llama_server_usable, server_process)
 from infer.parallel.flags import define_parallel_flags
 
+SERVERS = ("infer", "llamaserver", "inprocess")  # or url=http://HOST:PORT
+
+
+def check_servers(servers: Sequence[str]) -> None:
+    """Refuses an unknown server before any is benchmarked, not after those before it."""
+    if not servers:
+        raise ValueError("--servers must name at least one server")
+    for server in servers:
+        if server not in SERVERS and not server.startswith(("url=http://", "url=https://")):
+            raise ValueError(f"--servers: unknown server {server!r}: "
+                             f"{', '.join(SERVERS)} or url=http://HOST:PORT")
+
+
+def _valid_servers(servers: list[str]) -> bool:
+    try:
+        check_servers(servers)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
+
+
 FLAGS = flags.FlagValues()
 flags.DEFINE_list("servers", ["infer", "inprocess"], "infer, llamaserver, inprocess (the "
                   "engine without HTTP), or url=http://HOST:PORT", flag_values=FLAGS)
+flags.register_validator("servers", _valid_servers, flag_values=FLAGS)
 flags.DEFINE_string("model", "smollm2-135m", "the model every server serves", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
-flags.DEFINE_integer("num_prompts", 32, "requests", flag_values=FLAGS)
+flags.DEFINE_integer("num_prompts", 32, "requests", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("request_rate", 4.0, "mean arrivals per second (inf: all at once)",
                    flag_values=FLAGS)
 flags.DEFINE_float("burstiness", 1.0, "gamma shape of the gaps (1: Poisson)", flag_values=FLAGS)
 flags.DEFINE_integer("max_concurrency", None, "requests in flight at most (client side)",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("random_input_len", 64, "prompt tokens (mean)", lower_bound=1,
                      flag_values=FLAGS)
-flags.DEFINE_integer("random_input_len", 64, "prompt tokens (mean)", flag_values=FLAGS)
-flags.DEFINE_integer("random_output_len", 32, "output tokens (mean)", flag_values=FLAGS)
+flags.DEFINE_integer("random_output_len", 32, "output tokens (mean)", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_float("random_range_ratio", 0.0, "lengths uniform in L(1 -+ r)", flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "dataset and arrival seed", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "dataset and arrival seed", lower_bound=0, flag_values=FLAGS)
+# Bounds absl's inclusive ones cannot say (NaN refused too), as arrival_offsets and
+# random_dataset would refuse them, but only once the tokenizer has made the prompts.
+flags.register_validator("request_rate", lambda x: x > 0,
+                         "--request_rate must be > 0 (inf: all at once)", flag_values=FLAGS)
+flags.register_validator("burstiness", lambda x: 0 < x < math.inf,
+                         "--burstiness must be > 0 and finite", flag_values=FLAGS)
+flags.register_validator("random_range_ratio", lambda x: 0 <= x < 1,
+                         "--random_range_ratio must be in [0, 1)", flag_values=FLAGS)
 flags.DEFINE_string("replay", None, "a bench_serve JSONL: send its first row's schedule again "
                     "(the workload flags are then unused: the rows take the saved row's)",
                     flag_values=FLAGS)
 flags.DEFINE_list("metric_percentiles", ["50", "90", "99"], "percentiles reported",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "metric_percentiles", parse=float, lower_bound=0, upper_bound=100,
+                   allow_empty=True)  # none: mean, median and std only
 flags.DEFINE_list("goodput", ["ttft:1000", "tpot:100"], "SLOs in ms (ttft, tpot, e2el)",
                   flag_values=FLAGS)
 flags.DEFINE_integer("max_num_seqs", 8, "server slots (infer's max_num_seqs, llama-server's -np)",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 512, "server context per slot", lower_bound=1,
                      flag_values=FLAGS)
-flags.DEFINE_integer("max_model_len", 512, "server context per slot", flag_values=FLAGS)
 flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk (llama-server's batch)",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""), "llama-server binary",
                     flag_values=FLAGS)
 # infer's server and the in-process engine (llama-server's own parallelism is not infer's).
 define_parallel_flags(FLAGS)
 flags.DEFINE_string("out", "results/bench_serve.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +446,21 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         out: str = "results/bench_serve.jsonl", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, pad_heads: bool = False,
         dp_routing: str = "least_loaded") -> list[dict[str, Any]]:
+    check_servers(servers)
+    if out:  # "": no file
+        check_output_path(out)
+    saved = read_replay(replay) if replay else None
+    # The servers started here hold --max_model_len tokens a request: one past it is refused
+    # (an HTTP 400 a row counts as failed, or the in-process engine's error after warm-up).
+    started = [s for s in servers if not s.startswith("url=")]
+    if started and saved is None:
+        longest_in = math.ceil(random_input_len * (1 + random_range_ratio))
+        longest_out = math.ceil(random_output_len * (1 + random_range_ratio))
+        if longest_in + longest_out > max_model_len:
+            raise ValueError(
+                f"--random_input_len + --random_output_len must be <= --max_model_len for "
+                f"{', '.join(started)}: up to {longest_in} + {longest_out} tokens (with "
+                f"--random_range_ratio={random_range_ratio:g}) > {max_model_len}")
     parallel = dict(tensor_parallel_size=tensor_parallel_size,
                     data_parallel_size=data_parallel_size, pad_heads=pad_heads,
                     dp_routing=dp_routing)
@@ -435,9 +487,7 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         model=model, request_rate=request_rate, burstiness=burstiness,
         random_input_len=random_input_len, random_output_len=random_output_len,
         random_range_ratio=random_range_ratio, seed=seed, replayed_from=None)
-    if replay:
-        with open(replay) as fh:
-            saved = json.loads(fh.readline())
+    if saved is not None:
         items = [Scheduled(**s) for s in saved["schedule"]]
         # The prompts and their lengths are the saved model's tokenizer's: another model's row
         # would label a workload it was not made for.
@@ -453,6 +503,12 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         from infer.io.loader import load_on_host
         items = schedule(load_on_host(model)[2], num_prompts, random_input_len,
                          random_output_len, random_range_ratio, request_rate, burstiness, seed)
+    # Exact now: the prompts' token counts (a BOS, re-encoding), or a replayed schedule's.
+    need = max(i.prompt_len + i.output_len for i in items)
+    if started and need > max_model_len:
+        raise ValueError(f"a request of the {'--replay ' if replay else ''}schedule needs {need} "
+                         f"tokens (prompt + output), more than --max_model_len={max_model_len} "
+                         f"of {', '.join(started)}")
     rows = []
     for server in servers:
         if server == "inprocess":
@@ -486,6 +542,30 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         ("median_tpot_ms", "TPOT p50 ms"), ("median_itl_ms", "ITL p50 ms"),
         *[(f"{q}_itl_ms", f"ITL {q} ms") for q in p], ("median_e2el_ms", "E2EL p50 ms")]))
     return rows
+
+
+def read_replay(path: str) -> dict[str, Any]:
+    """The first row of a bench_serve JSONL, refused in words unless it holds a schedule."""
+    with open(path) as fh:
+        line = fh.readline()
+    if not line.strip():
+        raise ValueError(f"--replay={path} is empty: want a bench_serve JSONL, whose first row "
+                         f"holds the schedule to send")
+    try:
+        saved = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--replay={path}: its first line is not JSON ({e}): want a "
+                         f"bench_serve row") from None
+    entries = saved.get("schedule") if isinstance(saved, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--replay={path}: its first row holds no schedule (a non-empty list "
+                         f"under \"schedule\", as bench_serve's rows have)")
+    fields = {f.name for f in dataclasses.fields(Scheduled)}
+    for n, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) != fields:
+            raise ValueError(f"--replay={path}: schedule entry {n} is {entry!r:.120}; want the "
+                             f"fields {', '.join(sorted(fields))}")
+    return saved
 
 
 def _gguf(model: str) -> str:

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weight dtype (both libraries)", flag_values=FLAGS)
-flags.DEFINE_integer("tokens", 32, "decode steps timed per measurement", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)", flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 32, "decode steps timed per measurement", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 64, "prompt tokens per row", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 3, "measurements per point (the median is reported)",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers measured in the same run: hf, or none", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/decode_speed.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 

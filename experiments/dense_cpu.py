@@ -28,24 +28,28 @@ from __future__ import annotations
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 # Builds of the kernel with a part turned off, for what that part is worth (`--variants`).
 VARIANTS = {"no_line_walk": ("-DINFER_DENSE_NO_LINE_WALK",),
             "no_amx": ("-DINFER_DENSE_NO_AMX",),
             "no_pack_ahead": ("-DINFER_DENSE_NO_PACK_AHEAD",)}
 flags.DEFINE_list("rows", ["1", "2", "3", "4", "5", "8"], "activation rows M", flag_values=FLAGS)
+validate_list_flag(FLAGS, "rows", lower_bound=1)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight dtypes", flag_values=FLAGS)
 flags.DEFINE_list("layouts", ["kn", "nk"], "workloads: weight layouts kn and nk, or layer",
                   flag_values=FLAGS)
 flags.DEFINE_integer("layers", 30, "layers in the kn and layer chains (SmolLM2 has 30)",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("calls", 10, "calls per timing", flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("calls", 10, "calls per timing", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("variants", [], "builds of the kernel timed beside it, by name: "
                   + ", ".join(f"{k} ({' '.join(v)})" for k, v in VARIANTS.items()),
                   flag_values=FLAGS)
 flags.DEFINE_string("out", "results/dense_cpu.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 EMBED, FFN, VOCAB, KV = 576, 1536, 49152, 192
 

@@ -97,13 +97,13 @@ flags.DEFINE_integer("mixed_batch", None, f"rows of the mixed step (one prefill 
 flags.DEFINE_integer("page_size", None, f"tokens per page; the GPU kernel needs a power of two "
                      f"{_default('page_size')}", flag_values=FLAGS)
 flags.DEFINE_integer("repeats", None, f"timed runs per cell {_default('repeats')}",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("min_time_ms", None, f"shortest timed run; calls per run are raised to it "
                    f"{_default('min_time_ms')}", flag_values=FLAGS)
 flags.DEFINE_integer("copy_mb", None, f"MiB copied to measure the bandwidth "
-                     f"{_default('copy_mb')}", flag_values=FLAGS)
+                     f"{_default('copy_mb')}", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("matmul_n", None, f"n of the n x n float32 matmul that measures FLOP/s "
-                     f"{_default('matmul_n')}", flag_values=FLAGS)
+                     f"{_default('matmul_n')}", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_enum("backend", "auto", ["auto", "gpu", "tpu"], "kernel backend (auto: by platform)",
                   flag_values=FLAGS)
 flags.DEFINE_string("serve_model", None, f"auto (SmolLM2 weights if installed, else random at "
@@ -528,7 +528,8 @@ def run(*, quick: bool = False, out_dir: str = "results", geometries: list[str] 
 
     import jax
 
-    from experiments.common import ResultLog, environment, markdown_table, measure_ceilings
+    from experiments.common import (ResultLog, check_output_path, environment, markdown_table,
+                                    measure_ceilings)
     from kernels_pallas.kv_quant import resolve_kv_format
     from kernels_pallas.paged_attention.api import UnsupportedKernelConfig
     from kernels_pallas.paged_attention.lowering import GEOMETRIES
@@ -556,11 +557,16 @@ def run(*, quick: bool = False, out_dir: str = "results", geometries: list[str] 
     ctx, G = int(c["context"]), int(c["page_size"])
     chunk, nodes = int(c["prefill_chunk"]), int(c["verify_tokens"])
     verify_rows, mixed_rows = int(c["verify_batch"]), int(c["mixed_batch"])
-    if (min([ctx, G, verify_rows] + batches) < 1 or min(chunk, nodes, mixed_rows) < 0):
-        raise ValueError(f"need context, page_size and batch sizes >= 1, chunk, tree and mixed "
-                         f"sizes >= 0: context={ctx}, page_size={G}, batch_sizes={batches}, "
-                         f"verify_batch={verify_rows}, prefill_chunk={chunk}, "
-                         f"verify_tokens={nodes}, mixed_batch={mixed_rows}")
+    repeat_runs, copy_mb, matmul_n = int(c["repeats"]), int(c["copy_mb"]), int(c["matmul_n"])
+    if (min([ctx, G, verify_rows, repeat_runs, copy_mb, matmul_n] + batches) < 1
+            or min(chunk, nodes, mixed_rows) < 0):
+        raise ValueError(f"need context, page_size, batch sizes, repeats, copy_mb and matmul_n "
+                         f">= 1, chunk, tree and mixed sizes >= 0: context={ctx}, "
+                         f"page_size={G}, batch_sizes={batches}, verify_batch={verify_rows}, "
+                         f"repeats={repeat_runs}, copy_mb={copy_mb}, matmul_n={matmul_n}, "
+                         f"prefill_chunk={chunk}, verify_tokens={nodes}, mixed_batch={mixed_rows}")
+    for name in ("device_kernels.jsonl", "device_serve.jsonl"):
+        check_output_path(os.path.join(out_dir, name))  # --out_dir below a file, say
     run_steps = steps(batches, chunk, nodes, verify_rows, mixed_rows)
     for step in run_steps:
         lengths = step.lengths(ctx, G)

@@ -27,28 +27,33 @@ from typing import Any, Sequence
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+from experiments.spec_data import define_generation_flags
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_string("data", "", "a spec_data .npz whose generated tokens are counted (empty: "
                     "generate them here)", flag_values=FLAGS)
-flags.DEFINE_integer("num_sequences", 768, "sequences to generate", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 64, "tokens of training text per prompt", flag_values=FLAGS)
-flags.DEFINE_integer("new_tokens", 128, "tokens generated per sequence (at most)",
+# Two at least: `split_heldout` holds one out, and one is left to rank the ids by.
+flags.DEFINE_integer("num_sequences", 768, "sequences to generate", lower_bound=2,
                      flag_values=FLAGS)
-flags.DEFINE_float("temperature", 0.7, "temperature of the sampled rows", flag_values=FLAGS)
-flags.DEFINE_float("greedy_fraction", 0.5, "fraction of rows decoded greedily", flag_values=FLAGS)
-flags.DEFINE_float("chat_fraction", 0.5, "fraction of chat-formatted prompts", flag_values=FLAGS)
-flags.DEFINE_integer("batch_size", 32, "rows generated together", flag_values=FLAGS)
+define_generation_flags(FLAGS, new_tokens=128)
+flags.DEFINE_integer("batch_size", 32, "rows generated together", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_integer("eval_prompts", 16, "held-out chat prompts answered greedily for the "
-                     "second coverage figure (0: none)", flag_values=FLAGS)
-flags.DEFINE_integer("eval_tokens", 64, "tokens of each held-out chat answer",
+                     "second coverage figure (0: none)", lower_bound=0, flag_values=FLAGS)
+flags.DEFINE_integer("eval_tokens", 64, "tokens of each held-out chat answer", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_list("sizes", ["4096", "8192", "16384", "32768"], "N of the coverage columns",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "sizes", parse=int, lower_bound=1)
 flags.DEFINE_integer("seed", 0, "seed of the prompt choice and of the sampled rows",
                      flag_values=FLAGS)
 flags.DEFINE_string("out", "weights/draft_vocab_smollm2.npy", "the ranking (int32 [V])",
                     flag_values=FLAGS)
+# np.save adds .npy to a path without it: the file would not be where the row says.
+validate_output_flag(FLAGS, "out", suffix=".npy")
 flags.DEFINE_string("results", "results/draft_vocab.jsonl", "JSONL row", flag_values=FLAGS)
+validate_output_flag(FLAGS, "results")
 
 
 def rank_ids(counts: Any, fallback: Any) -> Any:
@@ -89,6 +94,19 @@ def run(*, data: str, num_sequences: int, prompt_len: int, new_tokens: int, temp
         eval_tokens: int, sizes: list[int], seed: int, out: str, results: str
         ) -> dict[str, Any]:
     """Generates (or reads) the target's text, writes the ranking to `out`; returns the row."""
+    from experiments.common import check_output_path
+    from experiments.speculation import check_prompt_count
+    from experiments.training import check_input_file
+
+    # Before JAX starts and the model loads: each of these failed only after the generation,
+    # the ranking already written over `out`, or the result row at the very end.
+    if data:
+        check_input_file("data", data)
+    if eval_prompts:
+        check_prompt_count("chat", eval_prompts, 500, "eval_prompts")
+    check_output_path(out, ".npy")
+    check_output_path(results)
+
     import numpy as np
 
     from experiments.common import ResultLog, real_text

@@ -15,20 +15,25 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("kinds", ["chat"], "prompt kinds of experiments.speculation", flag_values=FLAGS)
-flags.DEFINE_integer("num_prompts", 4, "prompts per kind", flag_values=FLAGS)
-flags.DEFINE_integer("max_tokens", 32, "greedy answer tokens per prompt", flag_values=FLAGS)
-flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+validate_list_flag(FLAGS, "kinds", choices=["grounded", "chat", "repetitive"])
+flags.DEFINE_integer("num_prompts", 4, "prompts per kind", lower_bound=1, flag_values=FLAGS)
+# Two at least: the first answer token follows the prompt's last position, which the target
+# computes itself, so one token leaves no answer position to score (a division by zero).
+flags.DEFINE_integer("max_tokens", 32, "greedy answer tokens per prompt", lower_bound=2,
                      flag_values=FLAGS)
+flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("eagle_path", "weights/eagle_smollm2.safetensors", "EAGLE head weights",
                     flag_values=FLAGS)
 flags.DEFINE_integer("draft_vocab_size", 0, "the head drafts over this many of the most frequent "
                      "target ids (SpeculativeConfig's draft_vocab_size); 0: all",
-                     flag_values=FLAGS)
+                     lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/eagle_agreement.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 
@@ -76,6 +81,7 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     import functools
 
     from experiments.common import ResultLog, markdown_table
+    from experiments.speculation import check_prompt_count
     from experiments.workloads import build_prompts
     from infer.engine.device_steps import DeviceSteps
     from infer.engine.simple_loop import generate
@@ -84,6 +90,9 @@ def run(*, kinds: list[str], num_prompts: int, max_tokens: int, snippet_chars: i
     from infer.spec.eagle_head import load_eagle
     from infer.spec.draft_vocab import load_draft_vocab
 
+    # Before the model loads: a kind past the held-out text failed after the kinds before it.
+    for kind in kinds:
+        check_prompt_count(kind, num_prompts, snippet_chars, "num_prompts")
     log = ResultLog(out, resume=resume)
 
     @functools.cache

@@ -37,15 +37,20 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "weight (and KV) dtypes", flag_values=FLAGS)
-flags.DEFINE_integer("tokens", 32, "tokens generated per request in a timed run", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 5, "timed runs per point", flag_values=FLAGS)
+validate_list_flag(FLAGS, "dtypes", choices=["float32", "bfloat16"])  # infer.io.loader.DTYPES
+# At least 4: steps to time after the first (run checks it too).
+flags.DEFINE_integer("tokens", 32, "tokens generated per request in a timed run", lower_bound=4,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "timed runs per point", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("peers", ["hf"], "peers timed in the same run: hf, or none", flag_values=FLAGS)
 flags.DEFINE_enum("output_kind", "final", ["final", "cumulative"],
                   "the requests' SamplingParams.output_kind: final (LLM.generate's, outputs of "
@@ -54,6 +59,7 @@ flags.DEFINE_enum("output_kind", "final", ["final", "cumulative"],
 flags.DEFINE_bool("plain", True, "time the plain loops (contiguous and paged) beside the engine",
                   flag_values=FLAGS)
 flags.DEFINE_string("out", "results/engine_overhead.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 

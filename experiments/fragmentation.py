@@ -29,28 +29,40 @@ import dataclasses
 import numpy as np
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from experiments.workloads import poisson_pareto
 from infer.cache.page_allocator import PageAllocator, SequencePages
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-flags.DEFINE_integer("num_requests", 1000, "requests in the run", flag_values=FLAGS)
+flags.DEFINE_integer("num_requests", 1000, "requests in the run", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_float("rate", 4.0, "mean arrivals per engine step (Poisson)", flag_values=FLAGS)
 flags.DEFINE_enum("prompt_dist", "uniform", ["uniform", "lognormal"], "prompt length distribution", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_min", 16, "shortest prompt", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_max", 1024, "longest prompt", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_min", 16, "shortest prompt", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("prompt_max", 1024, "longest prompt", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("prompt_median", 256, "lognormal prompt: median", flag_values=FLAGS)
-flags.DEFINE_float("prompt_sigma", 1.0, "lognormal prompt: sigma of log length", flag_values=FLAGS)
+flags.DEFINE_float("prompt_sigma", 1.0, "lognormal prompt: sigma of log length", lower_bound=0.0,
+                   flag_values=FLAGS)
 flags.DEFINE_float("output_shape", 1.5, "Pareto shape of output lengths", flag_values=FLAGS)
 flags.DEFINE_float("output_scale", 20, "Pareto scale (minimum) of output lengths", flag_values=FLAGS)
-flags.DEFINE_integer("output_cap", 1024, "longest output (also capped by max_model_len)", flag_values=FLAGS)
-flags.DEFINE_integer("max_model_len", 2048, "longest sequence: the contiguous reservation", flag_values=FLAGS)
-flags.DEFINE_integer("kv_tokens", 65536, "KV memory in token slots, the same for both policies", flag_values=FLAGS)
+flags.DEFINE_integer("output_cap", 1024, "longest output (also capped by max_model_len)",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 2048, "longest sequence: the contiguous reservation",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("kv_tokens", 65536, "KV memory in token slots, the same for both policies",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("page_sizes", ["8", "16", "32", "64", "128"], "page sizes G swept", flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+validate_list_flag(FLAGS, "page_sizes", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "workload seed", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/fragmentation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
+# Zero is no bound here: no arrivals, a log of 0, a Pareto numpy refuses or outputs of 0 tokens
+# that the workload would clamp to one each.
+for _name in ("rate", "prompt_median", "output_shape", "output_scale"):
+    flags.register_validator(_name, lambda x: x > 0, message=f"--{_name} must be > 0",
+                             flag_values=FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +218,12 @@ def run(*, num_requests: int, rate: float, prompt_dist: str, prompt_min: int, pr
     `resume`, points already there are not simulated again); table and plot from the file."""
     from experiments.common import ResultLog, markdown_table, plot_path
 
+    # simulate() refuses such a pool too, but only on reaching its page size, rows later.
+    for g in [max_model_len, *page_sizes]:
+        if kv_tokens // g * g < max_model_len:
+            raise ValueError(f"--kv_tokens {kv_tokens} in pages of {g} (--max_model_len for "
+                             f"the contiguous policy, else --page_sizes) hold fewer slots than "
+                             f"one request of --max_model_len {max_model_len}")
     workload = dict(num_requests=num_requests, rate=rate, prompt_dist=prompt_dist,
                     prompt_min=prompt_min, prompt_max=prompt_max, prompt_median=prompt_median,
                     prompt_sigma=prompt_sigma, output_shape=output_shape,

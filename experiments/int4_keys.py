@@ -62,17 +62,19 @@ import functools
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_output_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("schemes", ["token:32/token:32", "token:16/token:32", "token:8/token:32",
                               "token:32+mean/token:32", "channel:16/token:32",
                               "channel:64/token:64", "channel:16/none", "none/token:32"],
                   "key scheme/value scheme pairs", flag_values=FLAGS)
-flags.DEFINE_integer("eval_tokens", 2048, "tokens of held-out text scored", flag_values=FLAGS)
-flags.DEFINE_integer("calibration_tokens", 1024, "tokens of training-side text for +mean",
+flags.DEFINE_integer("eval_tokens", 2048, "tokens of held-out text scored", lower_bound=1,
                      flag_values=FLAGS)
+flags.DEFINE_integer("calibration_tokens", 1024, "tokens of training-side text for +mean",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/int4_keys.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 CHUNK, PAGE = 256, 16

@@ -15,20 +15,24 @@ import time
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("formats", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
                               "int8", "int4", "int4_kivi"], "KV cache formats", flag_values=FLAGS)
-flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format", flag_values=FLAGS)
+flags.DEFINE_integer("eval_tokens", 2048, "tokens of real text scored per format", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring; 1 scores each token as a "
                      "decode step, as a generated token is (int4_kivi's queries read the pages "
                      "their own chunk wrote exact, and earlier ones quantized but for the "
-                     "sequence's two newest)", flag_values=FLAGS)
+                     "sequence's two newest)", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep", flag_values=FLAGS)
-flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", flag_values=FLAGS)
-flags.DEFINE_integer("page_size", 16, "tokens per page", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
+flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("page_size", 16, "tokens per page", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/kv_dtypes.jsonl", "JSONL output (a PNG plot beside it)", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 

@@ -15,22 +15,33 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
+from infer.model.config import PRESETS
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("models", ["llama-3-8b", "llama-3-70b", "llama-3-405b", "mistral-7b"],
                   "model presets", flag_values=FLAGS)
+validate_list_flag(FLAGS, "models", choices=sorted(PRESETS))
 flags.DEFINE_list("kv_formats", ["float16", "float8_e4m3fn", "int4", "int4_kivi"],
                   "KV-cache formats", flag_values=FLAGS)
+validate_list_flag(FLAGS, "kv_formats", parse=lambda name: parse_kv_format(name))
 flags.DEFINE_integer("gpus", 4, "GPUs one replica spans by tensor parallelism (heads laid out as "
-                     "the engine places them)", flag_values=FLAGS)
-flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)", flag_values=FLAGS)
+                     "the engine places them)", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)",
+                   lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAGS)
+flags.register_validator("weight_dtype", lambda name: known_dtype(name),
+                         message="--weight_dtype must name a dtype (bfloat16, float16, "
+                                 "float8_e4m3fn, int8, int4, ...)", flag_values=FLAGS)
 flags.DEFINE_float("overhead_fraction", 0.1,
                    "fraction of GPU memory kept for activations and workspace", flag_values=FLAGS)
+flags.register_validator("overhead_fraction", lambda f: 0 <= f < 1,
+                         message="--overhead_fraction must be in [0, 1)", flag_values=FLAGS)
 flags.DEFINE_list("contexts", ["2048", "4096", "32768"], "context lengths for max users", flag_values=FLAGS)
+validate_list_flag(FLAGS, "contexts", lower_bound=1)
 flags.DEFINE_string("out", "results/memory_budget.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 FORMAT_LABELS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16",
@@ -39,6 +50,24 @@ FORMAT_LABELS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16",
 PLOT_CONTEXT = 4096
 # The lesson's worked figure: 2 (K and V) * 80 layers * 8 KV heads * 128 dims * 2 bytes.
 LLAMA3_70B_BF16_BYTES = 327_680
+
+
+def parse_kv_format(name: str) -> str:
+    """The canonical name of KV format `name` (aliases too); ValueError for an unknown one."""
+    from infer.cache.budget import kv_format_name
+
+    return kv_format_name(name)
+
+
+def known_dtype(name: str) -> bool:
+    """Whether the byte counts know dtype `name` (or its alias: bf16, fp8, ...)."""
+    from infer.cache.budget import dtype_bits
+
+    try:
+        dtype_bits(name)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def budget_row(model: str, kv_format: str, *, gpus: int, gpu_memory_gb: float,

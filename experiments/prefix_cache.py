@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from infer.cache.page_allocator import PageAllocator
 from infer.cache.prefix_cache import PrefixCache
 from infer.parallel.flags import define_parallel_flags
@@ -33,30 +33,48 @@ FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experi
 flags.DEFINE_list("parts", ["alone", "system", "chat"], "parts to run: alone (cache only, no "
                   "model), system (SmolLM2 behind a shared system prompt), chat (multi-turn)",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "parts", choices=["alone", "system", "chat"])
 flags.DEFINE_integer("system_requests", 64, "requests behind the shared system prompt",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("system_prompt_tokens", 1000, "length of the shared system prompt",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("system_rate", 1.0, "arrivals per second (Poisson)", flag_values=FLAGS)
+flags.register_validator("system_rate", lambda rate: rate > 0,
+                         message="--system_rate must be > 0", flag_values=FLAGS)
 flags.DEFINE_integer("chat_conversations", 8, "conversations in the multi-turn part",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("chat_turns", 4, "turns per conversation", lower_bound=1,
                      flag_values=FLAGS)
-flags.DEFINE_integer("chat_turns", 4, "turns per conversation", flag_values=FLAGS)
 flags.DEFINE_integer("max_tokens", 16, "output tokens per request (parts system and chat)",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("alone_requests", 1000, "requests in the run", lower_bound=1,
                      flag_values=FLAGS)
-flags.DEFINE_integer("alone_requests", 1000, "requests in the run", flag_values=FLAGS)
-flags.DEFINE_float("alone_shared_fraction", 0.6, "fraction of requests starting with a common prefix", flag_values=FLAGS)
-flags.DEFINE_integer("alone_prefixes", 5, "number of distinct common prefixes", flag_values=FLAGS)
+flags.DEFINE_float("alone_shared_fraction", 0.6, "fraction of requests starting with a common "
+                   "prefix", lower_bound=0.0, upper_bound=1.0, flag_values=FLAGS)
+flags.DEFINE_integer("alone_prefixes", 5, "number of distinct common prefixes", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_list("alone_prefix_tokens", ["64", "128"], "min,max length of a common prefix (tokens)", flag_values=FLAGS)
+validate_list_flag(FLAGS, "alone_prefix_tokens", length=2, lower_bound=1)
+# A request may be its prefix alone (a suffix of 0): the prefix keeps every prompt non-empty.
 flags.DEFINE_list("alone_suffix_tokens", ["16", "256"], "min,max length of a request's own tokens", flag_values=FLAGS)
-flags.DEFINE_integer("alone_page_size", 16, "tokens per page G", flag_values=FLAGS)
+validate_list_flag(FLAGS, "alone_suffix_tokens", length=2, lower_bound=0)
+for _name in ("alone_prefix_tokens", "alone_suffix_tokens"):
+    flags.register_validator(_name, lambda pair: int(pair[0]) <= int(pair[1]),
+                             message=f"--{_name} is min,max: min must be <= max",
+                             flag_values=FLAGS)
+flags.DEFINE_integer("alone_page_size", 16, "tokens per page G", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_list("alone_max_pages", ["500"], "LRU cache caps (pages) swept; an unlimited cache always runs too", flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+validate_list_flag(FLAGS, "alone_max_pages", lower_bound=0, allow_empty=True)
+flags.DEFINE_integer("seed", 0, "workload seed", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/prefix_cache.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
 VOCAB = 49152  # SmolLM2's: random token ids never collide by accident
+MAX_MODEL_LEN = 2048  # of the engines of parts 2 and 3
 
 
 # -- part 1: the cache alone ----------------------------------------------------------------------
@@ -179,7 +197,7 @@ def run_system_prompt(model, tokenizer, mesh, work: list, caching: bool) -> dict
     from experiments.serve import serve_infer
     from infer.engine.metrics import summarize
 
-    engine = _engine(model, tokenizer, mesh, caching, 2048)
+    engine = _engine(model, tokenizer, mesh, caching, MAX_MODEL_LEN)
     engine.warmup(progress=True)
     metrics, records, _, wall = serve_infer(engine, work, f"system prompt, cache {caching}")
     # What every request's prompt shares: the system prompt inside its chat template (request
@@ -201,7 +219,7 @@ def run_multi_turn(model, tokenizer, mesh, *, caching: bool, conversations: int,
 
     text = text_ids(tokenizer, 40_000, 250_000)
     rng = np.random.default_rng(seed)
-    engine = _engine(model, tokenizer, mesh, caching, 2048)
+    engine = _engine(model, tokenizer, mesh, caching, MAX_MODEL_LEN)
     engine.warmup(progress=True)
     chats = [[{"role": "system", "content": "You are a helpful assistant."}]
              for _ in range(conversations)]
@@ -276,6 +294,12 @@ def run(*, parts: list[str], alone_requests: int, alone_shared_fraction: float,
     unknown = set(parts) - {"alone", "system", "chat"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}")
+    # The engine would refuse such requests only once the model is loaded and warmed up (its
+    # chat template and the question add tokens beyond these).
+    if "system" in parts and system_prompt_tokens + max_tokens > MAX_MODEL_LEN:
+        raise ValueError(f"--system_prompt_tokens + --max_tokens must be <= {MAX_MODEL_LEN} "
+                         f"(the engine's max_model_len), got {system_prompt_tokens} + "
+                         f"{max_tokens}")
     devices = one_engine("prefix_cache", tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     log = ResultLog(out, resume=resume)

@@ -15,9 +15,9 @@ from absl import flags
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and KV cache",
                   flag_values=FLAGS)
-flags.DEFINE_integer("batch", 1, "decode rows", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 32, "prompt tokens per row", flag_values=FLAGS)
-flags.DEFINE_integer("tokens", 32, "decode steps traced", flag_values=FLAGS)
+flags.DEFINE_integer("batch", 1, "decode rows", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per row", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("tokens", 32, "decode steps traced", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("top", 12, "kinds of operation printed", flag_values=FLAGS)
 
 # Events of the runtime and of Python, not of an XLA operation.

@@ -52,25 +52,33 @@ from typing import Any, Callable, Sequence
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
+# Either sweep may be empty (run refuses both).
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32", "64", "128", "256"],
                   "decode batch sizes", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1, allow_empty=True)
 flags.DEFINE_list("prefill_lengths", ["16", "32", "64", "128", "256", "512"],
                   "prefill lengths (new tokens per row)", flag_values=FLAGS)
-flags.DEFINE_integer("prefill_batch", 1, "rows per prefill step", flag_values=FLAGS)
-flags.DEFINE_integer("context", 128, "cached tokens per row before each decode step", flag_values=FLAGS)
+validate_list_flag(FLAGS, "prefill_lengths", lower_bound=1, allow_empty=True)
+flags.DEFINE_integer("prefill_batch", 1, "rows per prefill step", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("context", 128, "cached tokens per row before each decode step",
+                     lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "weight dtype (the matmul ceiling is measured in it too)", flag_values=FLAGS)
 flags.DEFINE_enum("kv_dtype", "float32", ["float32", "bfloat16"], "KV cache dtype", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 5, "timing samples per point (the median is reported)", flag_values=FLAGS)
-flags.DEFINE_integer("steps_per_sample", 4, "steps run back to back per timing sample", flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "timing samples per point (the median is reported)",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("steps_per_sample", 4, "steps run back to back per timing sample",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("knee_factor", 1.5,
                    "report the first decode batch whose step time exceeds this times the "
                    "smallest batch's", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/roofline.jsonl", "JSONL output; the PNG goes beside it",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 MIN_CACHE_LEN = 128
@@ -251,6 +259,10 @@ def run(*, batch_sizes: list[int], prefill_lengths: list[int], prefill_batch: in
         out: str, resume: bool = False) -> list[dict]:
     """One row per sweep point, each appended to `out` as it is measured (with `resume`, points
     already there are not measured again), then the summary row; table and plot from the file."""
+    if not batch_sizes and not prefill_lengths:
+        raise ValueError("--batch_sizes and --prefill_lengths must not both be empty: no point "
+                         "to measure")
+
     import functools
 
     import jax

@@ -16,13 +16,22 @@ import time
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8", "32", "64"], "rows drawn per call", flag_values=FLAGS)
-flags.DEFINE_integer("vocab_size", 49152, "ids per row (SmolLM2's vocabulary)", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
+flags.DEFINE_integer("vocab_size", 49152, "ids per row (SmolLM2's vocabulary)", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_float("temperature", 0.7, "temperature of the logits", flag_values=FLAGS)
-flags.DEFINE_integer("calls", 20, "calls per timing", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)", flag_values=FLAGS)
+# The logits are divided by it: 0 would time draws over infinite logits.
+flags.register_validator("temperature", lambda t: t > 0, "--temperature must be > 0",
+                         flag_values=FLAGS)
+flags.DEFINE_integer("calls", 20, "calls per timing", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 5, "timings per point (the median is reported)", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/sampler_cost.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 
 def run(*, batch_sizes: list[int], vocab_size: int, temperature: float, calls: int,

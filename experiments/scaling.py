@@ -50,32 +50,48 @@ from typing import Any
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
+from experiments.memory_budget import known_dtype, parse_kv_format
+from infer.model.config import PRESETS
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("models", ["smollm2-135m", "llama-3-8b", "llama-3-70b"], "model presets",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "models", choices=sorted(PRESETS) + ["tiny-3kv"])
 flags.DEFINE_list("tensor_parallel", ["1", "2", "3", "4", "8"], "tensor-parallel sizes",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "tensor_parallel", lower_bound=1)
 flags.DEFINE_list("data_parallel", ["1", "2"], "data-parallel sizes", flag_values=FLAGS)
+validate_list_flag(FLAGS, "data_parallel", lower_bound=1)
 flags.DEFINE_list("kv_formats", ["bfloat16", "int8", "int4"], "KV-cache formats",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "kv_formats", parse=lambda name: parse_kv_format(name))
 flags.DEFINE_string("weight_dtype", "bfloat16", "weight dtype", flag_values=FLAGS)
+flags.register_validator("weight_dtype", lambda name: known_dtype(name),
+                         message="--weight_dtype must name a dtype (bfloat16, float16, "
+                                 "float8_e4m3fn, int8, int4, ...)", flag_values=FLAGS)
 flags.DEFINE_float("gpu_memory_gb", 80.0, "memory per GPU in decimal GB (A100-80GB: 80)",
-                   flag_values=FLAGS)
+                   lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_float("overhead_fraction", 0.1, "fraction of each GPU kept for activations and "
                    "workspace", flag_values=FLAGS)
-flags.DEFINE_integer("context", 4096, "tokens per user for max users", flag_values=FLAGS)
-flags.DEFINE_integer("batch", 64, "decode rows for the bytes communicated per step",
+flags.register_validator("overhead_fraction", lambda f: 0 <= f < 1,
+                         message="--overhead_fraction must be in [0, 1)", flag_values=FLAGS)
+flags.DEFINE_integer("context", 4096, "tokens per user for max users", lower_bound=1,
                      flag_values=FLAGS)
+flags.DEFINE_integer("batch", 64, "decode rows for the bytes communicated per step",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("measure", None, "measured points model:TP:DP:kv_format (small models: their "
                   "weights are built on this host; presets or tiny-3kv), or none; default: the "
                   "list MEASURED", flag_values=FLAGS)
-flags.DEFINE_integer("measure_rows", 4, "decode rows of the measured steps", flag_values=FLAGS)
-flags.DEFINE_integer("virtual_devices", 8, "CPU devices to make when JAX has not started yet",
+validate_list_flag(FLAGS, "measure", parse=lambda p: p == "none" or parse_point(p),
+                   allow_empty=True)
+flags.DEFINE_integer("measure_rows", 4, "decode rows of the measured steps", lower_bound=1,
                      flag_values=FLAGS)
+flags.DEFINE_integer("virtual_devices", 8, "CPU devices to make when JAX has not started yet",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/scaling.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 
 # The lesson's worked deployment: Llama-3-70B on four A100-80GB, one replica over all four.
@@ -166,6 +182,10 @@ def parse_point(text: str) -> dict[str, Any]:
     if len(parts) != 4:
         raise ValueError(f"a measured point is model:TP:DP:kv_format, got {text!r}")
     model, tp, dp, fmt = parts
+    model_config(model)  # a known model and format: checked at parse, before any row
+    parse_kv_format(fmt)
+    if int(tp) < 1 or int(dp) < 1:
+        raise ValueError(f"a measured point's TP and DP must be >= 1, got {text!r}")
     return {"model": model, "tensor_parallel": int(tp), "data_parallel": int(dp),
             "kv_format": fmt}
 
@@ -406,6 +426,9 @@ def plot_users(rows: list[dict], path: str, context: int) -> None:
     from experiments.common import new_figure, save_figure
 
     rows = [r for r in rows if r["data_parallel"] == 1]
+    if not rows:  # matplotlib refuses a figure of no panels
+        print(f"no plot {path}: the sweep has no --data_parallel=1 rows")
+        return
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = new_figure(len(models), figsize=(4.5 * len(models), 4))
     axes = axes if len(models) > 1 else [axes]

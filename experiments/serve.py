@@ -43,38 +43,56 @@ from typing import Sequence
 import numpy as np
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from experiments.llama_server import (GGUF_TYPES, LLAMA_SERVER_PEER, ensure_llama_server_gguf,
                                       llama_quantize_path, llama_server_gguf_path,
                                       llama_server_usable, serve_llama_server)
 from experiments.workloads import poisson_pareto, text_ids
 from infer.parallel.flags import define_parallel_flags
 
+# infer's scheduler policies, each optionally with mixed steps.
+POLICIES = ["static", "continuous", "static+mixed", "continuous+mixed"]
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-flags.DEFINE_integer("num_requests", 64, "requests in the workload", flag_values=FLAGS)
+flags.DEFINE_integer("num_requests", 64, "requests in the workload", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_float("rate", 8.0, "mean arrivals per second (Poisson)", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_min", 16, "shortest prompt, tokens", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_max", 128, "longest prompt, tokens", flag_values=FLAGS)
+flags.DEFINE_integer("prompt_min", 16, "shortest prompt, tokens", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("prompt_max", 128, "longest prompt, tokens", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_float("output_shape", 1.5, "Pareto shape of output lengths", flag_values=FLAGS)
+# The shortest output is floor(scale) tokens, and a request asks for at least one.
 flags.DEFINE_float("output_scale", 20.0, "Pareto scale (minimum) of output lengths",
-                   flag_values=FLAGS)
-flags.DEFINE_integer("output_cap", 256, "longest output, tokens", flag_values=FLAGS)
-flags.DEFINE_integer("max_num_seqs", 16, "batch slots", flag_values=FLAGS)
-flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk size", flag_values=FLAGS)
-flags.DEFINE_integer("max_model_len", 512, "longest sequence", flag_values=FLAGS)
+                   lower_bound=1.0, flag_values=FLAGS)
+flags.DEFINE_integer("output_cap", 256, "longest output, tokens", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 16, "batch slots", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("max_prefill_tokens", 256, "prefill chunk size", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 512, "longest sequence", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
 flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache format", flag_values=FLAGS)
 flags.DEFINE_list("policies", ["static", "continuous"], "infer scheduler policies: static, "
                   "continuous, continuous+mixed (a prefill chunk and the decode rows in one "
                   "step)", flag_values=FLAGS)
+validate_list_flag(FLAGS, "policies", choices=POLICIES, allow_empty=True)  # empty: peers only
 flags.DEFINE_list("peers", ["hf"], "peers in the same run: hf, llamacpp, llamaserver, none",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "peers", choices=["hf", "llamacpp", LLAMA_SERVER_PEER, "none"],
+                   allow_empty=True)
 flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""),
                     "the llama-server binary of the llamaserver peer (default: $LLAMA_SERVER)",
                     flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "workload seed", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/serve.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
+# Above 0, which absl's inclusive bounds cannot say (NaN refused too).
+flags.register_validator("rate", lambda x: x > 0, "--rate must be > 0 (arrivals per second)",
+                         flag_values=FLAGS)
+flags.register_validator("output_shape", lambda x: x > 0, "--output_shape must be > 0",
+                         flag_values=FLAGS)
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
@@ -274,6 +292,14 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
         if scheduler not in ("static", "continuous") or (plus and variant != "mixed"):
             raise ValueError(f"policy {policy!r}: want static or continuous, optionally with "
                              f"+mixed")
+    if prompt_min > prompt_max:
+        raise ValueError(f"--prompt_min must be <= --prompt_max, got {prompt_min} > {prompt_max}")
+    # The engine refuses a request whose prompt + max_tokens pass max_model_len (the prompts are
+    # raw token slices: no BOS or template): else found after warm-up, or partway through
+    # serving when the longest request comes.
+    if prompt_max + output_cap > max_model_len:
+        raise ValueError(f"--prompt_max + --output_cap must be <= --max_model_len, got "
+                         f"{prompt_max} + {output_cap} > {max_model_len}")
     devices = one_engine("serve", tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     del dp_routing  # one replica: nothing to route

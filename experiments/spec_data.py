@@ -36,24 +36,44 @@ from typing import Sequence
 import numpy as np
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+
+
+
+def define_generation_flags(flag_values: flags.FlagValues, *, new_tokens: int) -> None:
+    """The flags of the rows `training_rows` makes and the plain loop generates, shared with
+    experiments.draft_vocab, which generates the same kind of rows."""
+    flags.DEFINE_integer("prompt_len", 64, "tokens of training text per prompt (chat prompts "
+                         "add the template and the instruction)", lower_bound=1,
+                         flag_values=flag_values)
+    flags.DEFINE_integer("new_tokens", new_tokens, "tokens generated per sequence (at most)",
+                         lower_bound=1, flag_values=flag_values)
+    flags.DEFINE_float("temperature", 0.7, "temperature of the sampled rows", lower_bound=0.0,
+                       flag_values=flag_values)
+    flags.DEFINE_float("greedy_fraction", 0.5, "fraction of rows decoded greedily",
+                       lower_bound=0.0, upper_bound=1.0, flag_values=flag_values)
+    flags.DEFINE_float("chat_fraction", 0.5, "fraction of chat-formatted prompts",
+                       lower_bound=0.0, upper_bound=1.0, flag_values=flag_values)
+
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-flags.DEFINE_integer("num_sequences", 256, "sequences to generate", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 64, "tokens of training text per prompt (chat prompts add "
-                     "the template and the instruction)", flag_values=FLAGS)
-flags.DEFINE_integer("new_tokens", 96, "tokens generated per sequence (at most)", flag_values=FLAGS)
-flags.DEFINE_float("temperature", 0.7, "temperature of the sampled rows", flag_values=FLAGS)
-flags.DEFINE_float("greedy_fraction", 0.5, "fraction of rows decoded greedily", flag_values=FLAGS)
-flags.DEFINE_float("chat_fraction", 0.5, "fraction of chat-formatted prompts", flag_values=FLAGS)
-flags.DEFINE_integer("batch_size", 16, "rows per feature pass", flag_values=FLAGS)
-flags.DEFINE_integer("gen_batch_size", 32, "rows the plain loop generates together",
+flags.DEFINE_integer("num_sequences", 256, "sequences to generate", lower_bound=1,
                      flag_values=FLAGS)
+define_generation_flags(FLAGS, new_tokens=96)
+flags.DEFINE_integer("batch_size", 16, "rows per feature pass", lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("gen_batch_size", 32, "rows the plain loop generates together",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("self_instruct_fraction", 0.0, "fraction of rows whose instruction the "
                    "target writes itself (chat-formatted; the rest as --chat_fraction says)",
-                   flag_values=FLAGS)
+                   lower_bound=0.0, upper_bound=1.0, flag_values=FLAGS)
 flags.DEFINE_list("feature_layers", [], "decoder layers whose outputs are recorded beside the "
                   "final hidden state (an EAGLE-3 head's taps), e.g. 1,14", flag_values=FLAGS)
+validate_list_flag(FLAGS, "feature_layers", parse=int, lower_bound=0, allow_empty=True)
 flags.DEFINE_integer("seed", 0, "seed of the prompt choice and of the sampled rows", flag_values=FLAGS)
 flags.DEFINE_string("out", ".cache/spec_data/smollm2.npz", "output .npz", flag_values=FLAGS)
+# np.savez adds .npz to a path without it: the file would not be where the summary says.
+validate_output_flag(FLAGS, "out", suffix=".npz")
+
 
 def training_rows(tokenizer, num_sequences: int, prompt_len: int, chat_fraction: float,
                   greedy_fraction: float, temperature: float, seed: int) -> tuple:
@@ -129,6 +149,17 @@ def self_instructions(steps, tokenizer, count: int, seed: int, batch_size: int,
     return [t if len(t) >= 8 else None for t in texts]
 
 
+def check_feature_layers_flag(feature_layers: Sequence[int]) -> None:
+    """Refuses --feature_layers SmolLM2 has no taps for (`llama.check_feature_layers`), before
+    the model loads: the feature pass, after all the generation, would refuse them."""
+    from infer.model.config import get_config
+
+    layers, n = [int(i) for i in feature_layers], get_config("smollm2-135m").num_layers
+    if layers != sorted(set(layers)) or not all(0 <= i < n for i in layers):
+        raise ValueError(f"--feature_layers must be increasing distinct decoder layers in "
+                         f"[0, {n}), got {layers}")
+
+
 def feature_pass(steps, config, tokens: np.ndarray, lengths: np.ndarray, batch_size: int):
     """Yields (rows, features [b, w, F] float16, argmax [b, w]) over the sequences in order of
     length (so that each batch's width, a multiple of 32, wastes little): one `forward_step`
@@ -156,6 +187,12 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
                            self_instruct_fraction: float = 0.0,
                            feature_layers: Sequence[int] = (), gen_batch_size: int = 32) -> dict:
     """Generates, records and saves the data (see the module docstring); returns a summary."""
+    from experiments.common import check_output_path
+
+    # Before JAX starts: both failed only after the whole generation.
+    check_output_path(out_path, ".npz")
+    check_feature_layers_flag(feature_layers)
+
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm

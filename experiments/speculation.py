@@ -62,42 +62,64 @@ from typing import Any, Sequence
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from experiments.workloads import build_prompts  # the prompts of both parts
 from infer.parallel.flags import define_parallel_flags
+
+
+def _tree_shape(text: str) -> Any:
+    """`TreeShape.parse` (ValueError on a bad shape), imported when the flags are checked."""
+    from infer.spec.tree_draft import TreeShape
+
+    return TreeShape.parse(text)
+
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("parts", ["engine", "tree"], "engine (chain methods through the serving "
                   "engine), tree (eagle_generate tree vs chain at batch 1)", flag_values=FLAGS)
-flags.DEFINE_list("methods", ["ngram", "draft", "self_draft", "eagle", "suffix"],
-                  "speculative methods", flag_values=FLAGS)
+validate_list_flag(FLAGS, "parts", choices=["engine", "tree"])
+# SpeculativeConfig's SPECULATIVE_METHODS (infer.spec.config starts JAX: not imported here).
+METHODS = ["ngram", "draft", "self_draft", "eagle", "suffix"]
+flags.DEFINE_list("methods", METHODS, "speculative methods", flag_values=FLAGS)
+validate_list_flag(FLAGS, "methods", choices=METHODS)
 flags.DEFINE_enum("prompt_kind", "", ["", "grounded", "chat", "repetitive"], "one prompt kind "
                   "for every method; empty: each method's own (ngram: grounded, suffix: "
                   "repetitive, the model drafts: chat)", flag_values=FLAGS)
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "drafts per step", flag_values=FLAGS)
+# SpeculativeConfig's num_tokens range, refused there only once the baselines were measured.
+validate_list_flag(FLAGS, "ks", parse=int, lower_bound=1, upper_bound=16)
 flags.DEFINE_list("temperatures", ["0", "0.7"], "sampling temperatures", flag_values=FLAGS)
+validate_list_flag(FLAGS, "temperatures", parse=float, lower_bound=0.0)
 flags.DEFINE_list("batch_sizes", ["1", "8"], "engine batch sizes (max_num_seqs)",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", parse=int, lower_bound=1)
 flags.DEFINE_integer("num_prompts", 3, "prompts per run, at least one per batch slot (batch 1 "
-                     "runs them one by one)", flag_values=FLAGS)
-flags.DEFINE_integer("max_tokens", 32, "output tokens per request at most", flag_values=FLAGS)
-flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+                     "runs them one by one)", lower_bound=1, flag_values=FLAGS)
+# Two at least: a row's decode tokens are those after its first (prefill's); with one there
+# are none, and its tok/s and speedup are NaN (the tree part's divide by zero).
+flags.DEFINE_integer("max_tokens", 32, "output tokens per request at most", lower_bound=2,
                      flag_values=FLAGS)
+flags.DEFINE_integer("snippet_chars", 500, "characters of held-out text per prompt at most",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_enum("warmup", "pass", ["pass", "engine"], "pass: a workload runs again while "
                   "its pass built new programs (only the shapes it uses get built); engine: "
                   "llm.engine.warmup() first (every bucket: more programs), then the same",
                   flag_values=FLAGS)
-flags.DEFINE_integer("tree_branches", 2, "children per node of the EAGLE tree", flag_values=FLAGS)
-flags.DEFINE_integer("tree_depth", 3, "levels of the EAGLE tree (and drafts of its chain)",
+flags.DEFINE_integer("tree_branches", 2, "children per node of the EAGLE tree", lower_bound=1,
                      flag_values=FLAGS)
+flags.DEFINE_integer("tree_depth", 3, "levels of the EAGLE tree (and drafts of its chain)",
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("dynamic_trees", [], "EAGLE-2 dynamic trees of the tree part, each "
                   "BxD/N or BxDwW/N (`TreeShape.parse`: top-B children, D levels, the N likeliest "
                   "candidates verified, W nodes expanded per level, default B)",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "dynamic_trees", parse=_tree_shape, allow_empty=True)
 flags.DEFINE_list("engine_trees", [], "EAGLE trees run through the serving engine in the engine "
                   "part, each 'BxD' (full) or 'BxD/N' (dynamic, N candidates), beside method eagle's "
                   "chains (needs eagle in --methods)", flag_values=FLAGS)
-flags.DEFINE_integer("tree_prompts", 4, "chat prompts of the tree part", flag_values=FLAGS)
+validate_list_flag(FLAGS, "engine_trees", parse=_tree_shape, allow_empty=True)
+flags.DEFINE_integer("tree_prompts", 4, "chat prompts of the tree part", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_bool("random_head", False, "tree part without trained EAGLE weights: a random head "
                   "(exactness and timing only; acceptance is near 0)", flag_values=FLAGS)
 flags.DEFINE_bool("quick", False, "smoke run: ks 1,2; temperature 0; batch 1,2; 2 prompts; "
@@ -106,16 +128,17 @@ flags.DEFINE_integer("seed", 0, "sampling seed of the first request", flag_value
 flags.DEFINE_integer("draft_vocab_size", 0, "model drafts and the tree part's head score only "
                      "this many of the most frequent target ids (FR-Spec, "
                      "weights/draft_vocab_smollm2.npy); 0: the whole vocabulary",
-                     flag_values=FLAGS)
+                     lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_float("draft_confidence", 0.0, "model drafts stop before the first draft whose "
                    "running product of top probabilities is below this (EAGLE-2's confidence); "
-                   "0: no stop", flag_values=FLAGS)
+                   "0: no stop", lower_bound=0.0, upper_bound=1.0, flag_values=FLAGS)
 flags.DEFINE_string("eagle_path", "", "the EAGLE head (EAGLE-1 or EAGLE-3) of method eagle and "
                     "of the tree part; empty: SpeculativeConfig's default", flag_values=FLAGS)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "the target's weights (and KV "
                   "cache); draft heads and draft models keep their own dtype", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/speculation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
@@ -126,6 +149,21 @@ METHOD_PROMPTS = {"ngram": "grounded", "suffix": "repetitive"}  # the others: ch
 def prompt_kind_of(method: str, override: str = "") -> str:
     """The prompt kind a method runs on: `override` when set, else the method's own."""
     return override or METHOD_PROMPTS.get(method, "chat")
+
+
+def check_prompt_count(kind: str, count: int, snippet_chars: int, flag: str) -> None:
+    """Refuses, naming `flag`, more prompts of `kind` than `build_prompts` can make of the
+    held-out text (a grounded prompt takes a paragraph, a chat prompt one after the first
+    `count`), without the tokenizer: before the model loads."""
+    from experiments.workloads import held_out_paragraphs
+
+    if kind == "repetitive":  # records, made up: no limit
+        return
+    try:
+        held_out_paragraphs(count, max_chars=snippet_chars, skip=count if kind == "chat" else 0)
+    except ValueError as e:
+        raise ValueError(f"--{flag}={count}: more {kind} prompts than the held-out text gives "
+                         f"({e})") from None
 
 
 # -- the cost model --------------------------------------------------------------------------
@@ -804,6 +842,19 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
         raise ValueError(f"speculation: tensor_parallel_size={tensor_parallel_size}, but "
                          f"speculative decoding runs on one device (its proposers are not "
                          f"placed on a mesh)")
+    # Before the model loads: these failed only once the engine part's baselines (or the whole
+    # engine part) were measured, or left the trees out without a word.
+    if "engine" in parts and engine_trees and "eagle" not in methods:
+        raise ValueError(f"--engine_trees={','.join(engine_trees)} are method eagle's: add eagle "
+                         f"to --methods={','.join(methods)}")
+    if prompts is None:
+        if "engine" in parts:
+            count = max(num_prompts, max(batch_sizes))
+            for kind in sorted({prompt_kind_of(m, prompt_kind) for m in methods}):
+                check_prompt_count(kind, count, snippet_chars,
+                                   "num_prompts" if count == num_prompts else "batch_sizes")
+        if "tree" in parts:
+            check_prompt_count("chat", tree_prompts, snippet_chars, "tree_prompts")
     one_engine("speculation", data_parallel_size=data_parallel_size)
     loaded = loaded or load("smollm2-135m", dtype)
     log = ResultLog(out, resume=resume)

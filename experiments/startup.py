@@ -14,17 +14,24 @@ from __future__ import annotations
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from infer.parallel.flags import define_parallel_flags
+
+MODES = ("lazy", "warmup")  # the child compiles ahead for "warmup", lazily for anything else
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("modes", ["lazy", "warmup"], "lazy: compile at first use; warmup: in LLM()",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "modes", choices=MODES)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights", flag_values=FLAGS)
-flags.DEFINE_integer("max_num_seqs", 32, "batch slots (LLM's default)", flag_values=FLAGS)
-flags.DEFINE_integer("max_model_len", 2048, "longest sequence (LLM's default)", flag_values=FLAGS)
-flags.DEFINE_integer("max_tokens", 16, "tokens of each timed generate call", flag_values=FLAGS)
+flags.DEFINE_integer("max_num_seqs", 32, "batch slots (LLM's default)", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_model_len", 2048, "longest sequence (LLM's default)", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 16, "tokens of each timed generate call", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/startup.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
@@ -87,6 +94,9 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
     parallel = dict(tensor_parallel_size=tensor_parallel_size,
                     data_parallel_size=data_parallel_size, pad_heads=pad_heads,
                     dp_routing=dp_routing)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; want {', '.join(MODES)}")
     # One-device points keep the keys they had before the parallel flags (and --resume).
     point_parallel = {} if tensor_parallel_size == data_parallel_size == 1 else parallel
     log = ResultLog(out, resume=resume)
@@ -97,7 +107,11 @@ def run(*, modes: list[str], dtype: str, max_num_seqs: int, max_model_len: int,
                     done = subprocess.run(
                         [sys.executable, "-c", _CHILD, cache_dir, mode, dtype, str(max_num_seqs),
                          str(max_model_len), str(max_tokens), json.dumps(parallel)],
-                        capture_output=True, text=True, check=True)
+                        capture_output=True, text=True)
+                    if done.returncode:  # the child's own error, not its script's text
+                        raise RuntimeError(
+                            f"the {mode} measurement ({cache} cache) failed with exit status "
+                            f"{done.returncode}:\n" + "\n".join(done.stderr.splitlines()[-20:]))
                     return json.loads(done.stdout.strip().splitlines()[-1])
                 log.measure({"experiment": "startup", "mode": mode, "cache": cache,
                              "dtype": dtype, "max_num_seqs": max_num_seqs,

@@ -26,19 +26,26 @@ from typing import Any
 
 from absl import flags
 
-from experiments.common import define_resume_flag
+from experiments.common import define_resume_flag, validate_list_flag, validate_output_flag
 from infer.parallel.flags import define_parallel_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("batch_sizes", ["1", "8"], "decode batch sizes", flag_values=FLAGS)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
 flags.DEFINE_list("constraints", ["none", "json", "regex"], "constraints to time",
                   flag_values=FLAGS)
-flags.DEFINE_integer("tokens", 48, "tokens generated per request", flag_values=FLAGS)
-flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", flag_values=FLAGS)
-flags.DEFINE_integer("repeats", 3, "timed runs per point", flag_values=FLAGS)
+validate_list_flag(FLAGS, "constraints", choices=["none", "json", "regex"])
+# At least 4: steps to time after the first (run checks it too).
+flags.DEFINE_integer("tokens", 48, "tokens generated per request", lower_bound=4,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per request", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("repeats", 3, "timed runs per point", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("layers", 0, "run on the model's first N layers only (0: all); for quick "
-                     "checks, the figures are the full model's", flag_values=FLAGS)
+                     "checks, the figures are the full model's", lower_bound=0,
+                     flag_values=FLAGS)
 flags.DEFINE_string("out", "results/structured_cost.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 define_resume_flag(FLAGS)
 define_parallel_flags(FLAGS)
 
@@ -81,7 +88,8 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import ResultLog, engine_devices, markdown_table, one_engine
+    from experiments.common import (ResultLog, check_repeats, engine_devices, markdown_table,
+                                    one_engine)
     from experiments.workloads import consecutive_prompts, text_ids
     from infer.engine.engine import Engine, EngineConfig
     from infer.io.loader import load_on_host
@@ -92,6 +100,7 @@ def run(*, batch_sizes: list[int], constraints: list[str], tokens: int, prompt_l
     specs = {kind: constraint_for(kind, tokens) for kind in constraints}  # checks them first
     if tokens < 4:
         raise ValueError(f"--tokens must be >= 4 (steps to time after the first), got {tokens}")
+    check_repeats(repeats)  # 0 would write rows of NaN medians
     devices = one_engine("structured_cost", tensor_parallel_size=tensor_parallel_size,
                          data_parallel_size=data_parallel_size, pad_heads=pad_heads)
     log = ResultLog(out, resume=resume)

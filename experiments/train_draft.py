@@ -24,22 +24,48 @@ import time
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
 from experiments.training import define_trainer_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 define_trainer_flags(FLAGS, epochs=3, lr=5e-4, clip=1.0)
-flags.DEFINE_integer("num_layers", 2, "decoder layers of the draft", flag_values=FLAGS)
+flags.DEFINE_integer("num_layers", 2, "decoder layers of the draft", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_list("self_draft_layers", ["2", "4", "8"], "self-drafts measured for comparison",
                   flag_values=FLAGS)
+validate_list_flag(FLAGS, "self_draft_layers", parse=int, lower_bound=1, allow_empty=True)
 flags.DEFINE_integer("seed", 0, "shuffling seed", flag_values=FLAGS)
 flags.DEFINE_string("weights", "weights/draft_smollm2.safetensors", "output weights",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "weights")
 flags.DEFINE_string("out", "results/train_draft.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 
 def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, warmup: float,
         weight_decay: float, clip: float, self_draft_layers: list[int], seed: int,
         max_sequences: int, weights: str, out: str) -> list[dict]:
+    from experiments.common import check_output_path
+    from experiments.training import check_input_file
+    from infer.model.config import get_config
+
+    # Before JAX starts and the model loads: 0 epochs saved the untrained draft over --weights,
+    # and a draft deeper than the target failed only after the self-draft rows were measured
+    # and written.
+    if epochs < 1:
+        raise ValueError(f"--epochs must be >= 1 (0 would save an untrained draft to "
+                         f"--weights={weights!r}), got {epochs}")
+    n = get_config("smollm2-135m").num_layers
+    if not 1 <= num_layers <= n:
+        raise ValueError(f"--num_layers must be in [1, {n}] (the target's layers), got "
+                         f"{num_layers}")
+    if not all(1 <= k <= n for k in self_draft_layers):
+        raise ValueError(f"--self_draft_layers must each be in [1, {n}] (the target's layers), "
+                         f"got {list(self_draft_layers)}")
+    check_input_file("data", data)
+    check_output_path(weights)
+    check_output_path(out)
+
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -44,21 +44,25 @@ from typing import Sequence
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
 from experiments.training import define_trainer_flags
 
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
-define_trainer_flags(FLAGS, epochs=4, lr=1e-3, clip=0.5)
-flags.DEFINE_float("cls_weight", 0.5, "weight w of the cross-entropy term", flag_values=FLAGS)
+# --epochs=0 with --init evaluates that head (and saves it again); without, run refuses it.
+define_trainer_flags(FLAGS, epochs=4, lr=1e-3, clip=0.5, min_epochs=0)
+flags.DEFINE_float("cls_weight", 0.5, "weight w of the cross-entropy term", lower_bound=0.0,
+                   flag_values=FLAGS)
 flags.DEFINE_float("step2_weight", 0.5, "weight of each drafted step's loss in the "
-                   "training-time test (0: off)", flag_values=FLAGS)
+                   "training-time test (0: off)", lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_integer("ttt_steps", 2, "drafted steps the training-time test unrolls (HASS, "
                      "EAGLE-3): 2 trains the second drafted token on the head's own first "
-                     "prediction, 3 the third on its first two", flag_values=FLAGS)
+                     "prediction, 3 the third on its first two", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("noise", 0.0, "uniform noise amplitude added to input features",
-                   flag_values=FLAGS)
+                   lower_bound=0.0, flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "initialization, shuffling and noise seed", flag_values=FLAGS)
 flags.DEFINE_string("weights", "weights/eagle_smollm2.safetensors", "output weights",
                     flag_values=FLAGS)
+validate_output_flag(FLAGS, "weights")
 flags.DEFINE_string("init", "", "continue training from these weights (empty: random init); "
                     "the weights only: the optimizer's moments, the step count and the warmup "
                     "and cosine schedule (over this run's --epochs) start afresh, and the same "
@@ -68,12 +72,15 @@ flags.DEFINE_string("init", "", "continue training from these weights (empty: ra
 flags.DEFINE_list("feature_layers", [], "EAGLE-3: the target layers whose outputs the head fuses "
                   "with the final hidden state (the data must hold them: spec_data "
                   "--feature_layers); empty: EAGLE-1", flag_values=FLAGS)
+validate_list_flag(FLAGS, "feature_layers", parse=int, lower_bound=0, allow_empty=True)
 flags.DEFINE_integer("draft_vocab_size", 0, "cross-entropy over the draft vocabulary's N most "
                      "frequent target ids (the head drafts from those: SpeculativeConfig's "
-                     "draft_vocab_size); 0: the whole vocabulary", flag_values=FLAGS)
+                     "draft_vocab_size); 0: the whole vocabulary", lower_bound=0,
+                     flag_values=FLAGS)
 flags.DEFINE_string("draft_vocab_path", "weights/draft_vocab_smollm2.npy",
                     "the token ranking (experiments.draft_vocab)", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/train_eagle.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 
 @functools.cache
@@ -176,6 +183,25 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
         max_sequences: int, weights: str, out: str, init: str = "",
         feature_layers: Sequence[int] = (), draft_vocab_size: int = 0, ttt_steps: int = 2,
         draft_vocab_path: str = "weights/draft_vocab_smollm2.npy") -> list[dict]:
+    from experiments.common import check_output_path
+    from experiments.spec_data import check_feature_layers_flag
+    from experiments.training import check_input_file
+
+    # Before JAX starts and the model and data load: each of these failed only after them, or
+    # after the whole training (the weights' path), and --epochs=0 from a random init saved that
+    # head over --weights.
+    if epochs < 1 and not init:
+        raise ValueError(f"--epochs={epochs} trains nothing: it would save a random-init head "
+                         f"to --weights={weights!r} (--init with --epochs=0 evaluates a head)")
+    check_input_file("data", data)
+    if init:
+        check_input_file("init", init)
+    if draft_vocab_size:
+        check_input_file("draft_vocab_path", draft_vocab_path)
+    check_feature_layers_flag(feature_layers)
+    check_output_path(weights)
+    check_output_path(out)
+
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -5,6 +5,7 @@ Each trainer keeps its model, its loss and its rows."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -12,21 +13,33 @@ import numpy as np
 from experiments.workloads import split_heldout
 
 
-def define_trainer_flags(flag_values: Any, *, epochs: int, lr: float, clip: float) -> None:
+def define_trainer_flags(flag_values: Any, *, epochs: int, lr: float, clip: float,
+                         min_epochs: int = 1) -> None:
     """The flags both trainers take (the data, the optimizer, the epochs), with each trainer's
-    own defaults where they differ."""
+    own defaults where they differ; `min_epochs` 0 for a trainer that can evaluate given
+    weights without training them."""
     from absl import flags
 
-    for define, name, default, help_ in (
-            (flags.DEFINE_string, "data", ".cache/spec_data/smollm2.npz", "spec_data output"),
-            (flags.DEFINE_integer, "epochs", epochs, "passes over the training sequences"),
-            (flags.DEFINE_integer, "batch_size", 8, "sequences per step"),
-            (flags.DEFINE_float, "lr", lr, "peak learning rate"),
-            (flags.DEFINE_float, "warmup", 0.05, "fraction of steps of linear warmup"),
-            (flags.DEFINE_float, "weight_decay", 0.01, "AdamW weight decay (matrices)"),
-            (flags.DEFINE_float, "clip", clip, "gradient global-norm clip"),
-            (flags.DEFINE_integer, "max_sequences", 0, "use only this many sequences (0: all)")):
-        define(name, default, help_, flag_values=flag_values)
+    for define, name, default, help_, bounds in (
+            (flags.DEFINE_string, "data", ".cache/spec_data/smollm2.npz", "spec_data output", {}),
+            (flags.DEFINE_integer, "epochs", epochs, "passes over the training sequences",
+             {"lower_bound": min_epochs}),
+            (flags.DEFINE_integer, "batch_size", 8, "sequences per step", {"lower_bound": 1}),
+            (flags.DEFINE_float, "lr", lr, "peak learning rate", {"lower_bound": 0.0}),
+            (flags.DEFINE_float, "warmup", 0.05, "fraction of steps of linear warmup",
+             {"lower_bound": 0.0, "upper_bound": 1.0}),
+            (flags.DEFINE_float, "weight_decay", 0.01, "AdamW weight decay (matrices)",
+             {"lower_bound": 0.0}),
+            (flags.DEFINE_float, "clip", clip, "gradient global-norm clip", {"lower_bound": 0.0}),
+            (flags.DEFINE_integer, "max_sequences", 0, "use only this many sequences (0: all)",
+             {"lower_bound": 0})):
+        define(name, default, help_, flag_values=flag_values, **bounds)
+
+
+def check_input_file(flag: str, path: str) -> None:
+    """Refuses, naming its flag, an input file that is not there, before the model loads."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--{flag}={path!r}: no such file")
 
 
 def training_split(path: str, max_sequences: int) -> tuple[dict, np.ndarray, np.ndarray]:
@@ -125,6 +138,12 @@ class Trainer:
                  feature_keys: Sequence[str] = ("hidden",), extra_keys: Sequence[str] = ()
                  ) -> None:
         """`feature_keys` and `extra_keys`: what each batch carries (`batches`)."""
+        # Before the data loads: a batch of 0 divides by zero only once it has, and negative
+        # epochs would pass for no training at all. 0 epochs (evaluate only) is the caller's call.
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {epochs}")
         self.dataset, self.train_idx, self.held_idx = training_split(data, max_sequences)
         missing = [k for k in (*feature_keys, *extra_keys) if k not in self.dataset]
         if missing:

@@ -27,19 +27,24 @@ from typing import Any
 
 from absl import flags
 
+from experiments.common import validate_list_flag, validate_output_flag
+
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and KV cache",
                   flag_values=FLAGS)
 flags.DEFINE_list("ks", ["1", "2", "3", "4"], "drafts per verify step", flag_values=FLAGS)
-flags.DEFINE_integer("context", 200, "tokens in the cache before the step", flag_values=FLAGS)
+validate_list_flag(FLAGS, "ks", lower_bound=1)
+flags.DEFINE_integer("context", 200, "tokens in the cache before the step", lower_bound=0,
+                     flag_values=FLAGS)
 flags.DEFINE_integer("window", 256, "attention window in tokens (a page-table bucket)",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_integer("repeats", 30, "timed calls per program (the median is reported)",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_bool("engine", False, "also time the engine's verify and decode steps (ngram, "
                   "grounded prompts) for the host share", flag_values=FLAGS)
 flags.DEFINE_bool("hlo", False, "print the verify program's copies and dots", flag_values=FLAGS)
 flags.DEFINE_string("out", "results/verify_cost.jsonl", "JSONL output", flag_values=FLAGS)
+validate_output_flag(FLAGS, "out")
 
 PAGE = 16
 
@@ -63,6 +68,15 @@ def _timer(repeats: int):
 
 def run(*, dtype: str, ks: list[str], context: int, window: int, repeats: int, engine: bool,
         hlo: bool, out: str) -> list[dict[str, Any]]:
+    from experiments.common import check_output_path
+
+    # The verify step writes k + 1 tokens after the context: past the window they would not
+    # be in the cache the row claims.
+    if context + max(map(int, ks)) + 1 > window:
+        raise ValueError(f"--context + max(--ks) + 1 must be <= --window, got {context} + "
+                         f"{max(map(int, ks))} + 1 > {window}")
+    check_output_path(out)  # the rows are written at the end, after every timing
+
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -105,6 +105,17 @@ def poisson_pareto(rng: np.random.Generator, *, num_requests: int, rate: float,
     """(arrivals, prompt lengths, output lengths) of `num_requests` requests: Poisson arrivals,
     prompt lengths as `prompt_lengths`, output lengths as `pareto_lengths`, drawn in that order
     from `rng`. With `max_model_len`, every request fits it with at least one output token."""
+    # Refused, not drawn: numpy rejects some of these deep inside, and the clamps below would
+    # quietly turn the others into one-token outputs or prompt_min-token prompts.
+    if output_cap < 1:
+        raise ValueError(f"output_cap must be >= 1 (tokens), got {output_cap}")
+    if not output_shape > 0 or not output_scale > 0:
+        raise ValueError(f"output_shape and output_scale must be > 0 (Pareto), got "
+                         f"{output_shape}, {output_scale}")
+    if prompt_dist == "lognormal" and not (prompt_median is not None and prompt_median > 0
+                                           and prompt_sigma is not None and prompt_sigma >= 0):
+        raise ValueError(f"a lognormal prompt needs prompt_median > 0 and prompt_sigma >= 0, "
+                         f"got {prompt_median}, {prompt_sigma}")
     arrivals = poisson_arrivals(rng, num_requests, rate)
     prompts = prompt_lengths(rng, num_requests, prompt_min, prompt_max, prompt_dist,
                              prompt_median, prompt_sigma)
