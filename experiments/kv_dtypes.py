@@ -27,7 +27,7 @@ flags.DEFINE_integer("chunk", 256, "prefill chunk while scoring; 1 scores each t
                      "their own chunk wrote exact, and earlier ones quantized but for the "
                      "sequence's two newest)", lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "decode batch sizes for the speed sweep", flag_values=FLAGS)
-validate_list_flag(FLAGS, "batch_sizes", lower_bound=1)
+validate_list_flag(FLAGS, "batch_sizes", lower_bound=1, allow_empty=True)  # empty: quality only
 flags.DEFINE_integer("decode_tokens", 32, "decode steps timed per speed point", lower_bound=1,
                      flag_values=FLAGS)
 flags.DEFINE_integer("page_size", 16, "tokens per page", lower_bound=1, flag_values=FLAGS)
