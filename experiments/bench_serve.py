@@ -124,7 +124,7 @@ flags.DEFINE_string("llama_server", os.environ.get("LLAMA_SERVER", ""), "llama-s
 # infer's server and the in-process engine (llama-server's own parallelism is not infer's).
 define_parallel_flags(FLAGS)
 flags.DEFINE_string("out", "results/bench_serve.jsonl", "JSONL output", flag_values=FLAGS)
-validate_output_flag(FLAGS, "out")
+validate_output_flag(FLAGS, "out", allow_empty=True)  # empty: the table only
 
 
 @dataclasses.dataclass(frozen=True)

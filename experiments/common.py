@@ -497,12 +497,16 @@ def check_output_path(path: str, suffix: str | None = None) -> None:
         raise ValueError(f"output path {path!r} must end in {suffix}")
 
 
-def validate_output_flag(flag_values: Any, name: str, suffix: str | None = None) -> None:
+def validate_output_flag(flag_values: Any, name: str, suffix: str | None = None,
+                         allow_empty: bool = False) -> None:
     """Has absl refuse a bad output path in flag `name` (`check_output_path`) when the flags are
-    parsed, so that a typo costs no run whose rows, weights or data would then be lost."""
+    parsed, so that a typo costs no run whose rows, weights or data would then be lost;
+    `allow_empty` for a script that takes an empty path as "write no file"."""
     from absl import flags
 
     def valid(path: str) -> bool:
+        if allow_empty and not path:
+            return True
         try:
             check_output_path(path, suffix)
         except ValueError as e:
@@ -541,6 +545,8 @@ def validate_list_flag(flag_values: Any, name: str, *, parse: Callable[[str], An
                 kind = {int: "an integer", float: "a number"}.get(parse)
                 raise flags.ValidationError(f"--{name}: {v!r} is not {kind}" if kind else
                                             f"--{name}: {v!r}: {e}") from None
+            if x != x:  # NaN passes every bound
+                raise flags.ValidationError(f"--{name}: {v!r} is not a number")
             if (lower_bound is not None and x < lower_bound) or (
                     upper_bound is not None and x > upper_bound):
                 bounds = (f">= {lower_bound}" if upper_bound is None else

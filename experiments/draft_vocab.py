@@ -45,7 +45,7 @@ flags.DEFINE_integer("eval_tokens", 64, "tokens of each held-out chat answer", l
                      flag_values=FLAGS)
 flags.DEFINE_list("sizes", ["4096", "8192", "16384", "32768"], "N of the coverage columns",
                   flag_values=FLAGS)
-validate_list_flag(FLAGS, "sizes", parse=int, lower_bound=1)
+validate_list_flag(FLAGS, "sizes", parse=int, lower_bound=1, allow_empty=True)  # empty: the ranking alone
 flags.DEFINE_integer("seed", 0, "seed of the prompt choice and of the sampled rows",
                      flag_values=FLAGS)
 flags.DEFINE_string("out", "weights/draft_vocab_smollm2.npy", "the ranking (int32 [V])",

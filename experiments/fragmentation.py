@@ -52,7 +52,7 @@ flags.DEFINE_integer("max_model_len", 2048, "longest sequence: the contiguous re
 flags.DEFINE_integer("kv_tokens", 65536, "KV memory in token slots, the same for both policies",
                      lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_list("page_sizes", ["8", "16", "32", "64", "128"], "page sizes G swept", flag_values=FLAGS)
-validate_list_flag(FLAGS, "page_sizes", lower_bound=1)
+validate_list_flag(FLAGS, "page_sizes", lower_bound=1, allow_empty=True)  # empty: contiguous only
 flags.DEFINE_integer("seed", 0, "workload seed", lower_bound=0, flag_values=FLAGS)
 flags.DEFINE_string("out", "results/fragmentation.jsonl", "JSONL output (a PNG plot beside it)",
                     flag_values=FLAGS)

@@ -57,12 +57,13 @@ from infer.model.config import PRESETS
 FLAGS = flags.FlagValues()  # this experiment's own flags: see common.run_experiment
 flags.DEFINE_list("models", ["smollm2-135m", "llama-3-8b", "llama-3-70b"], "model presets",
                   flag_values=FLAGS)
-validate_list_flag(FLAGS, "models", choices=sorted(PRESETS) + ["tiny-3kv"])
+# Empty: no analytic sweep, the --measure points alone.
+validate_list_flag(FLAGS, "models", choices=sorted(PRESETS) + ["tiny-3kv"], allow_empty=True)
 flags.DEFINE_list("tensor_parallel", ["1", "2", "3", "4", "8"], "tensor-parallel sizes",
                   flag_values=FLAGS)
-validate_list_flag(FLAGS, "tensor_parallel", lower_bound=1)
+validate_list_flag(FLAGS, "tensor_parallel", lower_bound=1, allow_empty=True)
 flags.DEFINE_list("data_parallel", ["1", "2"], "data-parallel sizes", flag_values=FLAGS)
-validate_list_flag(FLAGS, "data_parallel", lower_bound=1)
+validate_list_flag(FLAGS, "data_parallel", lower_bound=1, allow_empty=True)
 flags.DEFINE_list("kv_formats", ["bfloat16", "int8", "int4"], "KV-cache formats",
                   flag_values=FLAGS)
 validate_list_flag(FLAGS, "kv_formats", parse=lambda name: parse_kv_format(name))

@@ -294,10 +294,12 @@ def run(*, num_requests: int, rate: float, prompt_min: int, prompt_max: int,
                              f"+mixed")
     if prompt_min > prompt_max:
         raise ValueError(f"--prompt_min must be <= --prompt_max, got {prompt_min} > {prompt_max}")
-    # The engine refuses a request whose prompt + max_tokens pass max_model_len (the prompts are
-    # raw token slices: no BOS or template): else found after warm-up, or partway through
-    # serving when the longest request comes.
-    if prompt_max + output_cap > max_model_len:
+    # The engine, and llama.cpp's context of max_model_len, refuse a request whose prompt +
+    # max_tokens pass it (the prompts are raw token slices: no BOS or template): else found
+    # after warm-up, or partway through serving when the longest request comes. HF's peer alone
+    # has no such limit.
+    if (policies or {"llamacpp", LLAMA_SERVER_PEER} & set(peers)) and (
+            prompt_max + output_cap > max_model_len):
         raise ValueError(f"--prompt_max + --output_cap must be <= --max_model_len, got "
                          f"{prompt_max} + {output_cap} > {max_model_len}")
     devices = one_engine("serve", tensor_parallel_size=tensor_parallel_size,

@@ -39,7 +39,6 @@ from absl import flags
 from experiments.common import validate_list_flag, validate_output_flag
 
 
-
 def define_generation_flags(flag_values: flags.FlagValues, *, new_tokens: int) -> None:
     """The flags of the rows `training_rows` makes and the plain loop generates, shared with
     experiments.draft_vocab, which generates the same kind of rows."""

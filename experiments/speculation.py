@@ -850,7 +850,8 @@ def run(*, parts: list[str], methods: list[str], ks: list[int], temperatures: li
     if prompts is None:
         if "engine" in parts:
             count = max(num_prompts, max(batch_sizes))
-            for kind in sorted({prompt_kind_of(m, prompt_kind) for m in methods}):
+            runnable = [m for m in methods if missing_weights(m, eagle_path) is None]
+            for kind in sorted({prompt_kind_of(m, prompt_kind) for m in runnable}):
                 check_prompt_count(kind, count, snippet_chars,
                                    "num_prompts" if count == num_prompts else "batch_sizes")
         if "tree" in parts:

@@ -107,6 +107,27 @@ def test_bench_serve_parses_what_it_serves() -> None:
     parses(bench_serve.FLAGS, "--servers=infer,llamaserver,inprocess,url=http://127.0.0.1:8000",
            "--request_rate=inf", "--metric_percentiles=", "--max_concurrency=1",
            "--random_range_ratio=0.5")
+    parses(bench_serve.FLAGS, "--out=")  # no file: the table only, as run(out="") takes it
+
+
+def test_serve_checks_lengths_only_where_a_server_limits_them(monkeypatch, tmp_path) -> None:
+    """HF's generate has no max_model_len: a run of that peer alone with long outputs served
+    before the length check and must still reach the model's load."""
+    import experiments.common
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(experiments.common, "one_engine", load)
+    with pytest.raises(Loaded):
+        serve.run(**{**_SERVE, "output_cap": 1024, "policies": [], "peers": ["hf"]},
+                  out=str(tmp_path / "serve.jsonl"))
+    with pytest.raises(ValueError, match="--max_model_len"):
+        serve.run(**{**_SERVE, "output_cap": 1024, "policies": [], "peers": ["llamacpp"]},
+                  out=str(tmp_path / "serve.jsonl"))
 
 
 def test_bench_serve_out_below_a_file_is_refused_at_parse_and_in_run(a_file) -> None:

@@ -74,7 +74,6 @@ REFUSED = [
     (draft_vocab, "--eval_prompts=-1", "--eval_prompts"),
     (draft_vocab, "--batch_size=0", "--batch_size"),
     (draft_vocab, "--sizes=0", "--sizes"),
-    (draft_vocab, "--sizes=", "--sizes"),
     (draft_vocab, "--out={file}_ranking", "--out"),
     (draft_vocab, "--results={file}/x.jsonl", "--results"),
     # eagle_agreement: one answer token leaves no position to score (a division by zero).
@@ -90,6 +89,7 @@ REFUSED = [
     (speculation, "--parts=engnie", "--parts"),
     (speculation, "--parts=", "--parts"),
     (speculation, "--temperatures=-0.5", "--temperatures"),
+    (speculation, "--temperatures=0,nan", "--temperatures"),  # NaN passes every bound
     (speculation, "--batch_sizes=0", "--batch_sizes"),
     (speculation, "--engine_trees=2x", "--engine_trees"),
     (speculation, "--dynamic_trees=0x3/4", "--dynamic_trees"),
@@ -118,6 +118,7 @@ def test_valid_lists_parse() -> None:
     parses(speculation.FLAGS, "--ks=1,16", "--engine_trees=2x3,3x4/15", "--dynamic_trees=3x4w2/10",
            "--parts=tree", "--methods=eagle")
     parses(train_draft.FLAGS, "--self_draft_layers=")
+    parses(draft_vocab.FLAGS, "--sizes=")  # the ranking without coverage columns
     parses(eagle_agreement.FLAGS, "--kinds=grounded,repetitive", "--max_tokens=2")
 
 
@@ -190,3 +191,23 @@ def test_speculation_refuses_engine_trees_without_eagle(tmp_path) -> None:
     with pytest.raises(ValueError, match="--engine_trees=2x3 are method eagle's"):
         speculation.run(**run_args(speculation, methods=["ngram"], engine_trees=["2x3"],
                                    out=str(tmp_path / "s.jsonl")))
+
+
+def test_prompt_counts_leave_out_a_method_that_will_be_skipped(monkeypatch, tmp_path) -> None:
+    """A method without its weights is skipped with a line, so its prompt kind (chat, 60 at
+    most) must not refuse a batch the others' kinds can fill (grounded: 124)."""
+    import experiments.common
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(experiments.common, "one_engine", load)
+    spec = run_args(speculation, out=str(tmp_path / "s.jsonl"), parts=["engine"],
+                    methods=["ngram", "eagle"], batch_sizes=[1, 64])
+    with pytest.raises(Loaded):
+        speculation.run(**{**spec, "eagle_path": str(tmp_path / "no_head.safetensors")})
+    with pytest.raises(ValueError, match="--batch_sizes=64"):
+        speculation.run(**spec)  # the shipped head runs: its chat prompts must fit

@@ -23,7 +23,6 @@ def test_defaults_parse(mod) -> None:
 REFUSED = [
     (fragmentation, ["--num_requests=0"], "--num_requests"),
     (fragmentation, ["--page_sizes=0"], "--page_sizes"),
-    (fragmentation, ["--page_sizes="], "--page_sizes"),
     (fragmentation, ["--page_sizes=16,x"], "--page_sizes"),
     (fragmentation, ["--output_cap=0"], "--output_cap"),
     (fragmentation, ["--output_scale=-20"], "--output_scale"),
@@ -51,7 +50,6 @@ REFUSED = [
     (scaling, ["--measure=none", "--tensor_parallel=1,2", "--data_parallel=0"],
      "--data_parallel"),
     (scaling, ["--tensor_parallel=0"], "--tensor_parallel"),
-    (scaling, ["--tensor_parallel="], "--tensor_parallel"),
     (scaling, ["--batch=-64"], "--batch"),
     (scaling, ["--context=0"], "--context"),
     (scaling, ["--measure_rows=0"], "--measure_rows"),
@@ -106,6 +104,9 @@ ACCEPTED = [
     (memory_budget, ["--overhead_fraction=0", "--weight_dtype=bf16", "--gpu_memory_gb=0",
                      "--kv_formats=fp8,int4_kivi,bfloat16", "--contexts=1"]),
     (scaling, ["--measure=none", "--models=tiny-3kv,tiny"]),
+    # No analytic sweep: the measured points alone (test_scaling runs it so).
+    (scaling, ["--measure=tiny:2:1:int8", "--models=", "--tensor_parallel=", "--data_parallel="]),
+    (fragmentation, ["--page_sizes="]),  # the contiguous reservation alone
     (scaling, ["--measure=tiny-3kv:8:1:bfloat16,tiny:2:2:fp8", "--weight_dtype=float32"]),
     (prefix_cache, ["--alone_shared_fraction=0", "--alone_suffix_tokens=0,0",
                     "--alone_prefix_tokens=8,8", "--alone_max_pages="]),
