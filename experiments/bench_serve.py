@@ -448,7 +448,7 @@ def run(servers: list[str], model: str = "smollm2-135m", dtype: str = "float32",
         dp_routing: str = "least_loaded") -> list[dict[str, Any]]:
     check_servers(servers)
     if out:  # "": no file
-        check_output_path(out)
+        check_output_path(out, flag="out")
     saved = read_replay(replay) if replay else None
     # The servers started here hold --max_model_len tokens a request: one past it is refused
     # (an HTTP 400 a row counts as failed, or the in-process engine's error after warm-up).

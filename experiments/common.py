@@ -480,21 +480,23 @@ _FROM_FLAG = {"list[int]": lambda v: [int(x) for x in v],
               "tuple[int, int]": lambda v: (int(v[0]), int(v[1]))}
 
 
-def check_output_path(path: str, suffix: str | None = None) -> None:
+def check_output_path(path: str, suffix: str | None = None, flag: str | None = None) -> None:
     """Refuses an output path that cannot be written, before any work whose result it would
     hold: an existing directory, a path below an existing file, or (with `suffix`) another
-    extension. Missing folders are fine: the writer makes them."""
+    extension. Missing folders are fine: the writer makes them. `flag`: the flag the path came
+    from, which the message names (a script writing two files says which one)."""
+    what = f"--{flag}: output path" if flag else "output path"
     if not path:
-        raise ValueError("an output path must not be empty")
+        raise ValueError(f"{what} must not be empty")
     if os.path.isdir(path):
-        raise ValueError(f"output path {path!r} is a directory; name a file in it")
+        raise ValueError(f"{what} {path!r} is a directory; name a file in it")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(f"output path {path!r} lies below {parent!r}, which is a file")
+        raise ValueError(f"{what} {path!r} lies below {parent!r}, which is a file")
     if suffix is not None and not path.endswith(suffix):
-        raise ValueError(f"output path {path!r} must end in {suffix}")
+        raise ValueError(f"{what} {path!r} must end in {suffix}")
 
 
 def validate_output_flag(flag_values: Any, name: str, suffix: str | None = None,

@@ -104,8 +104,8 @@ def run(*, data: str, num_sequences: int, prompt_len: int, new_tokens: int, temp
         check_input_file("data", data)
     if eval_prompts:
         check_prompt_count("chat", eval_prompts, 500, "eval_prompts")
-    check_output_path(out, ".npy")
-    check_output_path(results)
+    check_output_path(out, ".npy", flag="out")
+    check_output_path(results, flag="results")
 
     import numpy as np
 

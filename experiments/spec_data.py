@@ -189,7 +189,7 @@ def generate_training_data(*, num_sequences: int, prompt_len: int, new_tokens: i
     from experiments.common import check_output_path
 
     # Before JAX starts: both failed only after the whole generation.
-    check_output_path(out_path, ".npz")
+    check_output_path(out_path, ".npz", flag="out")
     check_feature_layers_flag(feature_layers)
 
     import jax

@@ -63,8 +63,8 @@ def run(*, data: str, epochs: int, num_layers: int, batch_size: int, lr: float, 
         raise ValueError(f"--self_draft_layers must each be in [1, {n}] (the target's layers), "
                          f"got {list(self_draft_layers)}")
     check_input_file("data", data)
-    check_output_path(weights)
-    check_output_path(out)
+    check_output_path(weights, flag="weights")
+    check_output_path(out, flag="out")
 
     import jax
     import jax.numpy as jnp

@@ -199,8 +199,8 @@ def run(*, data: str, epochs: int, batch_size: int, lr: float, warmup: float, we
     if draft_vocab_size:
         check_input_file("draft_vocab_path", draft_vocab_path)
     check_feature_layers_flag(feature_layers)
-    check_output_path(weights)
-    check_output_path(out)
+    check_output_path(weights, flag="weights")
+    check_output_path(out, flag="out")
 
     import jax
     import jax.numpy as jnp

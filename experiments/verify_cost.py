@@ -75,7 +75,7 @@ def run(*, dtype: str, ks: list[str], context: int, window: int, repeats: int, e
     if context + max(map(int, ks)) + 1 > window:
         raise ValueError(f"--context + max(--ks) + 1 must be <= --window, got {context} + "
                          f"{max(map(int, ks))} + 1 > {window}")
-    check_output_path(out)  # the rows are written at the end, after every timing
+    check_output_path(out, flag="out")  # the rows are written at the end, after every timing
 
     import jax
     import jax.numpy as jnp

@@ -137,8 +137,11 @@ def test_train_eagle_run_refuses_before_the_model_loads(tmp_path, a_file: str) -
         train_eagle.run(**run_args(train_eagle, data=str(data), feature_layers=[14, 1]))
     with pytest.raises(ValueError, match="--feature_layers"):
         train_eagle.run(**run_args(train_eagle, data=str(data), feature_layers=[1, 30]))
-    with pytest.raises(ValueError, match="lies below"):
+    # Two output paths: the message says which flag's cannot be written.
+    with pytest.raises(ValueError, match="--weights: output path .* lies below"):
         train_eagle.run(**run_args(train_eagle, data=str(data), weights=f"{a_file}/x"))
+    with pytest.raises(ValueError, match="--out: output path .* lies below"):
+        train_eagle.run(**run_args(train_eagle, data=str(data), out=f"{a_file}/x.jsonl"))
 
 
 def test_trainer_refuses_no_batch_before_the_data_loads(tmp_path) -> None:
