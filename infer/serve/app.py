@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import time
 from typing import AsyncIterator
 
@@ -287,7 +288,34 @@ async def _json_body(request: HttpRequest) -> dict:
                        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    # JSON may escape half of a surrogate pair ("\ud800"): valid JSON, no Unicode text. The
+    # tokenizer then raised TypeError and a 404's rendering UnicodeEncodeError (500s), so it is
+    # refused here; only a body with such an escape at all is walked.
+    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
+        raise ApiError(400, "the body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF "
+                            "without its pair), which is not Unicode text")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    """Whether any string in the decoded JSON `value` (keys included) is not valid Unicode."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 async def _disconnected(request: HttpRequest) -> None:

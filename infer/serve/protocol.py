@@ -29,7 +29,14 @@ class ApiError(Exception):
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
+    # A message quotes the value it refuses: bounded, so that a 30 MB stop list or logit_bias
+    # is not sent back whole (rendering it held the event loop for seconds).
+    MAX_MESSAGE_CHARS = 2000
+
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        if len(message) > self.MAX_MESSAGE_CHARS:
+            message = (f"{message[:self.MAX_MESSAGE_CHARS]}... ({len(message):,} characters, "
+                       f"cut)")
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
@@ -440,12 +447,12 @@ def _prompts(body: Mapping, tokenizer: Tokenizer) -> list[list[int]]:
 
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif ids(prompt) is not None:
-        return [ids(prompt)]
+    elif (single := ids(prompt)) is not None:
+        return [single]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = prompt
-    elif isinstance(prompt, list) and prompt and all(ids(p) is not None for p in prompt):
-        return [ids(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and None not in (lists := [ids(p) for p in prompt]):
+        return lists
     else:
         raise ApiError(400, "prompt must be a non-empty string, list of strings, list of token "
                             f"ids or list of lists of them, got {prompt!r:.80}", "prompt")
@@ -483,8 +490,13 @@ def parse_detokenize(body: Mapping) -> list[int]:
 def parse_completion(body: Mapping, served: ServedModel, make_request: MakeRequest,
                      arrival_s: float) -> Job:
     n, stream, include_usage, continuous_usage = _check_common(body, served, "completion")
-    prompts = _prompts(body, served.tokenizer)
     max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) >= served.max_model_len and is_integer(prompt[0]):
+        # Ids past the context, refused by their count before each is checked (25M ids: 36 s
+        # of the event loop, every other client waiting).
+        _context_check(len(prompt), max(max_tokens or 0, 1), served, "prompt")
+    prompts = _prompts(body, served.tokenizer)
     structured, structured_param = structured_output(body)
     params = sampling_params(body, max_tokens, completion_logprobs(body), structured)
     for ids in prompts:

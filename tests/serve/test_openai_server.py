@@ -474,3 +474,47 @@ def test_a_client_that_times_out_aborts_its_whole_request(running) -> None:
         time.sleep(0.05)
     assert metrics(running)["vllm:num_requests_running"] == 0
     assert not running.server.engine.scheduler.seqs
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "smollm2-4l", "prompt": "a\ud800"}),
+    ("/v1/completions", {"model": "smollm2-4l", "prompt": ["ok", "b\udfff"]}),
+    ("/v1/chat/completions", {"model": "smollm2-4l",
+                              "messages": [{"role": "user", "content": "\ud800"}]}),
+    ("/v1/completions", {"model": "\ud800", "prompt": "hi"}),
+    ("/v1/completions", {"model": "smollm2-4l", "prompt": "hi", "request_id": "\udc00"}),
+    ("/tokenize", {"model": "smollm2-4l", "prompt": "\ud800"}),
+])
+def test_a_lone_surrogate_escape_is_a_400(running, path, body) -> None:
+    """Valid JSON, no Unicode text: the tokenizer raised TypeError, a 404's rendering
+    UnicodeEncodeError, and a request_id one failed after the whole generation: 500s."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the lone half goes as a \\udXXX escape
+    assert rb"\ud" in raw
+    r = httpx.post(f"{running.url}{path}", content=raw,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    emoji = {"model": "smollm2-4l", "prompt": "\U0001F600", "max_tokens": 1}
+    assert httpx.post(f"{running.url}/v1/completions", content=json.dumps(emoji).encode(),
+                      headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_errors_quote_a_huge_value_in_part_and_ids_past_the_context_by_count(running) -> None:
+    """A 400 quoted the whole value it refused (a 2M-entry stop_token_ids came back as 6 MB,
+    rendered on the event loop); a prompt of millions of ids was checked id by id, twice,
+    before its length was refused (25M ids: 36 s of the event loop). A list past the context
+    that starts with an id is now refused by its count, whatever the rest holds."""
+    from infer.serve.protocol import ApiError
+
+    url = f"{running.url}/v1/completions"
+    r = httpx.post(url, json={"model": "smollm2-4l", "prompt": "hi",
+                              "stop_token_ids": list(range(200_000)) + [-1]}, timeout=60)
+    assert r.status_code == 400, r.text[:200]
+    assert len(r.json()["error"]["message"]) <= ApiError.MAX_MESSAGE_CHARS + 100
+    r = httpx.post(url, json={"model": "smollm2-4l", "prompt": [5] + ["x"] * 200_000},
+                   timeout=60)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "max_tokens"
+    at_limit = httpx.post(url, json={"model": "smollm2-4l", "prompt": [5] * 127,
+                                     "max_tokens": 1})
+    assert at_limit.status_code == 200, at_limit.text
