@@ -235,3 +235,31 @@ def _byte_level_chars() -> list[str]:
             chars.append(chr(256 + extra))
             extra += 1
     return chars
+
+
+def test_streamed_text_holds_back_exactly_the_longest_tail_a_stop_string_begins_with(
+        tokenizer) -> None:
+    """What a stream shows, by its definition (the text less its longest tail that is a proper
+    prefix of a stop string), on random streams with many stop strings sharing prefixes: the
+    binary search over the sorted stops agrees with a pass over every stop at every length."""
+    rng = random.Random(11)
+    words = [i for i in range(200, 3000) if not tokenizer.is_special(i)
+             and "\ufffd" not in tokenizer.decode([i])]
+    for trial in range(200):
+        ids = [rng.choice(words) for _ in range(rng.randint(1, 10))]
+        text = tokenizer.decode(ids)
+        stops = set()
+        for _ in range(rng.randint(1, 40)):
+            a = rng.randrange(len(text))
+            s = text[a:a + rng.randint(1, 8)]
+            stops.add(s + rng.choice(["", "", "q", "zz", s[-1:] * 2]))
+        params = SamplingParams(max_tokens=len(ids), stop=tuple(stops), ignore_eos=True, seed=0)
+        r = Request(str(trial), [1], params, tokenizer, tokenizer.eos_ids)
+        for k, token in enumerate(ids, 1):
+            if r.append(token):
+                break
+            so_far = tokenizer.decode(ids[:k])
+            held = max((n for n in range(1, len(so_far) + 1)
+                        if any(s.startswith(so_far[-n:]) and s != so_far[-n:] for s in stops)),
+                       default=0)
+            assert r.output().text == so_far[:len(so_far) - held], (ids[:k], sorted(stops))
