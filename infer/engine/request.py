@@ -329,8 +329,7 @@ class Request:
         stop token's) and which it is (of those found at one place, the longest), or
         (len(text), None); `searched`: text length already known to hold none, so only what
         could end in the new characters is searched again."""
-        longest = max(map(len, self.params.stop))
-        start = max(0, searched - longest + 1)
+        start = max(0, searched - self._longest_stop + 1)
         hits = [(i, -len(s), s) for s in self.params.stop
                 if (i := text.find(s, start)) >= 0]
         if not hits:

@@ -19,6 +19,13 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf(smollm2_gguf_path())
 
 
+@pytest.fixture(scope="module")
+def words(tokenizer: Tokenizer) -> list[int]:
+    """Ids whose text is whole characters: a random stream of them decodes piece by piece."""
+    return [i for i in range(200, 3000) if not tokenizer.is_special(i)
+            and "\ufffd" not in tokenizer.decode([i])]
+
+
 def _feed(request: Request, ids: list[int]) -> list[str]:
     """Appends ids until the request finishes; the text it showed after each."""
     shown = []
@@ -132,13 +139,11 @@ def _expected(tokenizer: Tokenizer, ids: list[int], params: SamplingParams
     raise AssertionError("max_tokens ends every request")
 
 
-def test_stop_texts_follow_their_definition_on_random_streams(tokenizer) -> None:
+def test_stop_texts_follow_their_definition_on_random_streams(tokenizer, words) -> None:
     """Random streams of whole-character tokens, random stop ids and stop strings (some that
     the stop token completes), either output kind, with and without include_stop_str_in_output:
     the final text is the definition's, and every streamed text a prefix of it."""
     rng = random.Random(5)
-    words = [i for i in range(200, 3000) if not tokenizer.is_special(i)
-             and "\ufffd" not in tokenizer.decode([i])]
     for trial in range(300):
         ids = [rng.choice(words) for _ in range(rng.randint(1, 12))]
         text = tokenizer.decode(ids)
@@ -199,14 +204,12 @@ def test_texts_so_far_lead_to_the_final_text_when_tokens_split_characters(tokeni
             assert out.text == tokenizer.decode(ids[:n - silent], skip_special_tokens=True)
 
 
-def test_a_stop_string_ending_in_a_character_a_stop_token_completes(tokenizer) -> None:
+def test_a_stop_string_ending_in_a_character_a_stop_token_completes(tokenizer, words) -> None:
     """A character spelled in byte tokens whose last one is a stop token id, and a stop string
     that ends in that character: the stop string cuts the text (as it alone would), though
     the text without the stop token leaves that character incomplete."""
     rng = random.Random(3)
     alphabet = {b: tokenizer.token_to_id(c) for b, c in enumerate(_byte_level_chars())}
-    words = [i for i in range(200, 3000) if not tokenizer.is_special(i)
-             and "\ufffd" not in tokenizer.decode([i])]
     for trial in range(100):
         char = rng.choice("é世🎉\u0301ж€")
         head = [rng.choice(words) for _ in range(rng.randint(0, 4))]
@@ -238,13 +241,11 @@ def _byte_level_chars() -> list[str]:
 
 
 def test_streamed_text_holds_back_exactly_the_longest_tail_a_stop_string_begins_with(
-        tokenizer) -> None:
+        tokenizer, words) -> None:
     """What a stream shows, by its definition (the text less its longest tail that is a proper
     prefix of a stop string), on random streams with many stop strings sharing prefixes: the
     binary search over the sorted stops agrees with a pass over every stop at every length."""
     rng = random.Random(11)
-    words = [i for i in range(200, 3000) if not tokenizer.is_special(i)
-             and "\ufffd" not in tokenizer.decode([i])]
     for trial in range(200):
         ids = [rng.choice(words) for _ in range(rng.randint(1, 10))]
         text = tokenizer.decode(ids)
